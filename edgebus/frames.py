@@ -1,0 +1,202 @@
+"""The binary activation frame: what travels between stages.
+
+    offset size  field
+    0      4     magic  b"EBF\\x00"
+    4      1     version (1)
+    5      1     kind    TOKENS | HIDDEN | CANDIDATES
+    6      1     dtype   code of the payload's element type
+    7      1     flags   bit 0: payload is LZ4-compressed
+    8      8     request sequence id (u64, assigned by the coordinator)
+    16     4     route epoch (u32): frames of an abandoned route are recognisable
+    20     4     step (u32): 0 = prefill, n = n-th decode step
+    24     4     start: position of the first token in this frame
+    28     4     count: token positions in this frame
+    32     2     candidates the last stage should return (1 = greedy argmax)
+    34     1     ndim (1..3)
+    35     1     reserved (0)
+    36     12    shape, 3 x u32 (unused dims 0)
+    48     4     payload bytes on the wire
+    52     4     CRC-32 of header bytes 0..51 and the wire payload
+    56     ...   payload
+
+Little-endian throughout. The payload is the tensor's raw bytes, or their LZ4
+block when that is meaningfully smaller. Hidden states of a trained model are
+close to incompressible FP16 (measured: LZ4 saves ~0 %), so we try LZ4 only on
+payloads big enough to matter and send raw otherwise, without an extra copy.
+A CANDIDATES payload is `count x k` int32 token ids followed by as many float32
+logits: the top-k the coordinator samples from, not the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import lz4.block
+import numpy as np
+import torch
+
+from edgebus.errors import FrameError
+
+MAGIC = b"EBF\x00"
+VERSION = 1
+_HEADER = struct.Struct("<4sBBBBQIIIIHBB3III")
+HEADER_SIZE = _HEADER.size  # 56
+_CRC_SPAN = HEADER_SIZE - 4
+
+# Below this many payload bytes LZ4 cannot win back the cost of trying: a
+# single decode-step activation (one token, H fp16 values) is sent raw.
+LZ4_MIN_BYTES = 4096
+# Keep the compressed form only if it saves at least 1/8: a smaller gain is not
+# worth the decompression on a slow box.
+LZ4_MIN_SAVING = 0.125
+# A frame larger than this is refused before decompression: a prefill chunk of
+# 4096 positions of a 4096-wide FP32 model is 64 MiB, well below it.
+MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+
+
+class Kind(enum.IntEnum):
+    TOKENS = 1      # int32 token ids into the first stage
+    HIDDEN = 2      # hidden states between stages
+    CANDIDATES = 3  # top-k (ids, logits) from the last stage to the coordinator
+    RELEASE = 4     # the request is over: free its KV cache (empty payload)
+
+
+class DType(enum.IntEnum):
+    FLOAT16 = 1
+    FLOAT32 = 2
+    BFLOAT16 = 3
+    INT32 = 4
+    CANDIDATES = 5  # int32 ids then float32 logits, same shape each
+
+
+_TORCH_DTYPES = {DType.FLOAT16: torch.float16, DType.FLOAT32: torch.float32,
+                 DType.BFLOAT16: torch.bfloat16, DType.INT32: torch.int32}
+_ITEM_SIZE = {DType.FLOAT16: 2, DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.INT32: 4,
+              DType.CANDIDATES: 8}
+FLAG_LZ4 = 0x01
+
+
+def dtype_code(dtype: torch.dtype) -> DType:
+    for code, known in _TORCH_DTYPES.items():
+        if known == dtype:
+            return code
+    raise FrameError(f"activation dtype {dtype} cannot be framed; use float16, bfloat16 or float32")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A decoded frame. `payload` is the uncompressed tensor bytes."""
+
+    kind: Kind
+    dtype: DType
+    request: int
+    epoch: int
+    step: int
+    start: int
+    count: int
+    candidates: int
+    shape: tuple[int, ...]
+    payload: bytes | memoryview
+    compressed: bool = False
+    wire_bytes: int = 0
+
+    def tensor(self) -> torch.Tensor:
+        """The payload as a tensor (TOKENS, HIDDEN). Shares memory with the payload."""
+        if self.dtype == DType.CANDIDATES:
+            raise FrameError("a CANDIDATES frame holds two tensors: use candidates_arrays()")
+        flat = torch.frombuffer(bytearray(self.payload), dtype=_TORCH_DTYPES[self.dtype])
+        return flat.view(self.shape)
+
+    def candidates_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32, logits float32), each of `shape`."""
+        half = len(self.payload) // 2
+        ids = np.frombuffer(self.payload, dtype="<i4", count=half // 4).reshape(self.shape)
+        logits = np.frombuffer(self.payload, dtype="<f4", offset=half).reshape(self.shape)
+        return ids, logits
+
+
+def encode(kind: Kind, tensor: torch.Tensor, *, request: int, epoch: int, step: int,
+           start: int, candidates: int = 1) -> bytes:
+    """Frame one tensor (TOKENS: [1, T] ints, HIDDEN: [1, T, H] floats)."""
+    if kind == Kind.TOKENS:
+        tensor = tensor.to(torch.int32)
+    tensor = tensor.contiguous()
+    code = dtype_code(tensor.dtype)
+    raw = tensor.view(torch.uint8).numpy().data if tensor.dtype == torch.bfloat16 \
+        else tensor.numpy().data
+    count = tensor.shape[1] if tensor.dim() >= 2 else tensor.shape[0]
+    return _pack(kind, code, raw.cast("B"), tuple(tensor.shape), request=request, epoch=epoch,
+                 step=step, start=start, count=count, candidates=candidates)
+
+
+def encode_candidates(ids: torch.Tensor, logits: torch.Tensor, *, request: int, epoch: int,
+                      step: int, start: int) -> bytes:
+    """Frame the last stage's top-k: ids and logits are [rows, k]."""
+    payload = (ids.to(torch.int32).contiguous().numpy().tobytes()
+               + logits.to(torch.float32).contiguous().numpy().tobytes())
+    return _pack(Kind.CANDIDATES, DType.CANDIDATES, memoryview(payload), tuple(ids.shape),
+                 request=request, epoch=epoch, step=step, start=start, count=1,
+                 candidates=ids.shape[-1])
+
+
+def encode_release(*, request: int, epoch: int) -> bytes:
+    """Tell a stage the request has ended so it frees the KV cache."""
+    return _pack(Kind.RELEASE, DType.INT32, memoryview(b""), (0,), request=request, epoch=epoch,
+                 step=0, start=0, count=0, candidates=0)
+
+
+def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], *, request: int,
+          epoch: int, step: int, start: int, count: int, candidates: int) -> bytes:
+    if not 1 <= len(shape) <= 3:
+        raise FrameError(f"a frame carries a 1-3 dimensional tensor, got shape {shape}")
+    flags, wire = 0, raw
+    if len(raw) >= LZ4_MIN_BYTES:
+        packed = lz4.block.compress(raw, store_size=False)
+        if len(packed) <= len(raw) * (1 - LZ4_MIN_SAVING):
+            flags, wire = FLAG_LZ4, memoryview(packed)
+    dims = (*shape, *([0] * (3 - len(shape))))
+    header = _HEADER.pack(MAGIC, VERSION, kind, code, flags, request, epoch, step, start, count,
+                          candidates, len(shape), 0, *dims, len(wire), 0)
+    crc = zlib.crc32(wire, zlib.crc32(header[:_CRC_SPAN]))
+    return b"".join((header[:_CRC_SPAN], crc.to_bytes(4, "little"), wire))
+
+
+def decode(data: bytes) -> Frame:
+    """Parse and check a frame. Raises FrameError saying what is wrong."""
+    if len(data) < HEADER_SIZE:
+        raise FrameError(f"frame of {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    (magic, version, kind, code, flags, request, epoch, step, start, count, candidates, ndim, _,
+     d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}: not an edgebus activation frame")
+    if version != VERSION:
+        raise FrameError(f"frame version {version}, this agent speaks {VERSION}: "
+                         "run the same edgebus version on every box")
+    if kind not in Kind.__members__.values() or code not in DType.__members__.values():
+        raise FrameError(f"unknown frame kind {kind} or dtype {code}")
+    if not 1 <= ndim <= 3:
+        raise FrameError(f"frame ndim {ndim} outside 1..3")
+    if wire_len != len(data) - HEADER_SIZE:
+        raise FrameError(f"frame says {wire_len} payload bytes but carries "
+                         f"{len(data) - HEADER_SIZE}: truncated or padded")
+    wire = memoryview(data)[HEADER_SIZE:]
+    if zlib.crc32(wire, zlib.crc32(data[:_CRC_SPAN])) != crc:
+        raise FrameError("frame checksum mismatch: corrupted in transit")
+    shape = (d0, d1, d2)[:ndim]
+    raw_len = math.prod(shape) * _ITEM_SIZE[DType(code)]
+    if raw_len > MAX_PAYLOAD_BYTES:
+        raise FrameError(f"frame payload of {raw_len} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    payload: bytes | memoryview = wire
+    if flags & FLAG_LZ4:
+        try:
+            payload = lz4.block.decompress(wire, uncompressed_size=raw_len)
+        except lz4.block.LZ4BlockError as exc:
+            raise FrameError(f"LZ4 payload does not decompress: {exc}") from None
+    if len(payload) != raw_len:
+        raise FrameError(f"payload holds {len(payload)} bytes, shape {shape} needs {raw_len}")
+    return Frame(Kind(kind), DType(code), request, epoch, step, start, count, candidates, shape,
+                 payload, bool(flags & FLAG_LZ4), len(data))
