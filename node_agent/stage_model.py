@@ -1,0 +1,168 @@
+"""One contiguous slice of a decoder-only transformer, loaded and run on its own.
+
+Generic over HF models shaped `model.embed_tokens / model.layers / model.norm /
+lm_head` (Llama, Qwen2, Mistral, DeepSeek...): the skeleton comes from
+`AutoModelForCausalLM.from_config` on the meta device (no memory), this stage
+keeps its modules, and only their tensors are read from disk.
+
+The HF decoder layers are used as they are; this file only replaces the loop
+around them (`LlamaModel.forward` and friends), which is what a pipeline stage
+must own: it starts from token ids or from hidden states, and hands its KV
+cache to the layers itself.
+
+Shapes: B = 1 request, T = token positions in this call, H = hidden size,
+V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from edgebus.errors import CheckpointError
+from node_agent.checkpoint import load_tensors, tensor_locations
+from node_agent.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class StageSlice:
+    """Which part of the model a stage owns: layers [first, end)."""
+
+    first: int
+    end: int
+    num_layers: int
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.first == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.end == self.num_layers
+
+
+class StageModel(nn.Module):
+    """The modules one stage owns, with prefill and decode entry points."""
+
+    def __init__(self, model_dir: Path, first: int, end: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        config = AutoConfig.from_pretrained(model_dir)
+        self.config: PretrainedConfig = config
+        self.slice = StageSlice(first, end, config.num_hidden_layers)
+        self.dtype = dtype
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                        dtype=dtype)
+        decoder = skeleton.get_decoder()
+        prefix = _module_path(skeleton, decoder)
+        head = skeleton.get_output_embeddings()
+
+        # Each owned module, keyed by where its tensors live in the checkpoint.
+        owned: dict[str, nn.Module] = {
+            f"{prefix}.layers.{i}.": decoder.layers[i] for i in range(first, end)}
+        self.embed_tokens: nn.Module | None = None
+        self.norm: nn.Module | None = None
+        self.lm_head: nn.Module | None = None
+        if self.slice.has_embedding:
+            self.embed_tokens = owned[f"{prefix}.embed_tokens."] = decoder.embed_tokens
+        if self.slice.has_head:
+            self.norm = owned[f"{prefix}.norm."] = decoder.norm
+            self.lm_head = owned[f"{_module_path(skeleton, head)}."] = head
+        self.layers = nn.ModuleList([decoder.layers[i] for i in range(first, end)])
+        # Rotary frequencies are a buffer computed at init, not stored in the
+        # checkpoint: build this module for real so they come out right.
+        self.rotary_emb = type(decoder.rotary_emb)(config=config)
+
+        self._load(model_dir, owned, tied_head_key=f"{prefix}.embed_tokens.weight"
+                   if getattr(config, "tie_word_embeddings", False) else None)
+        self.eval()
+
+    def _load(self, model_dir: Path, owned: dict[str, nn.Module],
+              tied_head_key: str | None) -> None:
+        locations = tensor_locations(model_dir)
+        wanted: dict[str, tuple[nn.Module, str]] = {}  # checkpoint key -> (module, tensor name)
+        for key_prefix, module in owned.items():
+            for name, _ in [*module.named_parameters(), *module.named_buffers()]:
+                key = key_prefix + name
+                if key not in locations and tied_head_key and module is self.lm_head:
+                    key = tied_head_key
+                wanted.setdefault(key, (module, name))
+                if wanted[key][0] is not module:  # one checkpoint tensor, two owners (tied)
+                    wanted[f"{key}#tied"] = (module, name)
+        tensors = load_tensors(model_dir, {k.removesuffix("#tied") for k in wanted}, locations)
+        for key, (module, name) in wanted.items():
+            tensor = tensors[key.removesuffix("#tied")]
+            tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+            _set_tensor(module, name, tensor)
+        leftover = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        if leftover:
+            raise CheckpointError(f"{model_dir}: no values for {leftover[:5]}: this model family "
+                                  "computes tensors at init that edgebus does not rebuild yet")
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of parameters this stage holds (a tied tensor counts once)."""
+        unique = {p.data_ptr(): p.nelement() * p.element_size() for p in self.parameters()}
+        return sum(unique.values())
+
+    # -- forward ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """Run T >= 1 new positions [start, start+T) of one request.
+
+        x: [1, T] token ids on the first stage, else [1, T, H] hidden states.
+        Returns [1, T, H] hidden states, or [1, V] logits of the last position
+        on the last stage.
+        """
+        t = x.shape[1]
+        # SDPA's is_causal aligns the triangle top-left, which is only right when
+        # nothing is cached yet; with history the mask must be spelled out.
+        mask = None if start == 0 or t == 1 else _causal_mask(start, t)
+        return self._run(x, cache, start, mask)
+
+    @torch.inference_mode()
+    def decode(self, x: torch.Tensor, cache: KVCache, position: int) -> torch.Tensor:
+        """Run the single new position `position`: x is [1, 1] ids or [1, 1, H]."""
+        return self._run(x, cache, position, None)
+
+    def _run(self, x: torch.Tensor, cache: KVCache, start: int,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)  # [1,T,H]
+        positions = torch.arange(start, start + h.shape[1]).unsqueeze(0)                # [1,T]
+        rope = self.rotary_emb(h, positions)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_ids=positions, cache=cache,
+                      use_cache=True, position_embeddings=rope)
+        if self.lm_head is None:
+            return h
+        assert self.norm is not None
+        return self.lm_head(self.norm(h[:, -1:]))[:, -1].float()                        # [1,V]
+
+
+def _causal_mask(start: int, t: int) -> torch.Tensor:
+    """[1, 1, T, start+T] bool: query i (at position start+i) sees keys 0..start+i."""
+    keys = torch.arange(start + t)
+    queries = torch.arange(start, start + t).unsqueeze(1)
+    return (keys <= queries)[None, None]
+
+
+def _module_path(root: nn.Module, target: nn.Module) -> str:
+    for name, module in root.named_modules():
+        if module is target:
+            return name
+    raise CheckpointError(f"{type(target).__name__} is not part of {type(root).__name__}")
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[leaf] = tensor
