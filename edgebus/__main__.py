@@ -1,0 +1,3 @@
+from edgebus.cli import main
+
+main()

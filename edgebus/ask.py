@@ -1,0 +1,70 @@
+"""`edgebus ask`: a gateway in a few lines: publish one request, print the answer.
+
+It is also the reference client for the contract in the README: what it does
+is what a PLC gateway does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+
+import aiomqtt
+
+from edgebus.client import BusClient
+from edgebus.errors import EdgebusError
+from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse, StreamDelta
+from plant_config import Plant
+
+# How long to wait for the coordinator's retained "online" status. A request
+# published before it subscribes would be lost (no persistent session yet).
+COORDINATOR_WAIT_S = 30.0
+
+
+async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None = None,
+              on_delta: Callable[[str], None] | None = None,
+              timeout: float | None = None) -> GenerateResponse:
+    """Send `request` as gateway `client_id` and return the coordinator's response."""
+    topics = plant.topics
+    client_id = client_id or f"ask-{secrets.token_hex(4)}"
+    response_topic = topics.response(client_id, request.id)
+    status_topic = topics.status(plant.coordinator.id)
+    online = asyncio.Event()
+    done: asyncio.Future[GenerateResponse] = asyncio.get_running_loop().create_future()
+
+    def on_message(message: aiomqtt.Message) -> None:
+        payload = message.payload if isinstance(message.payload, bytes) else b""
+        topic = message.topic.value
+        if topic == status_topic:
+            if AgentStatus.model_validate_json(payload).state == "online":
+                online.set()
+        elif topic == response_topic and not done.done():
+            done.set_result(GenerateResponse.model_validate_json(payload))
+        elif topic == f"{response_topic}/stream" and on_delta is not None:
+            on_delta(StreamDelta.model_validate_json(payload).delta)
+
+    bus = BusClient(plant.broker.endpoint(), f"{plant.plant_id}.{client_id}",
+                    subscriptions=[(status_topic, 1), (response_topic, 1),
+                                   (f"{response_topic}/stream", 1)])
+    runner = asyncio.create_task(bus.run(on_message))
+    try:
+        try:
+            await asyncio.wait_for(online.wait(), COORDINATOR_WAIT_S)
+        except TimeoutError:
+            endpoint = plant.broker.endpoint()
+            raise EdgebusError(
+                f"coordinator {plant.coordinator.id!r} is not online on {endpoint.host}:"
+                f"{endpoint.port} (no retained status at {status_topic}). Start the plant with "
+                "`edgebus up PLANT.yaml`.") from None
+        await bus.publish(topics.request(client_id), request.model_dump_json(exclude_none=True),
+                          qos=1)
+        timeout = timeout or plant.coordinator.request_timeout_s * 2
+        try:
+            return await asyncio.wait_for(done, timeout)
+        except TimeoutError:
+            raise EdgebusError(f"no response to request {request.id} within {timeout:.0f} s") \
+                from None
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)

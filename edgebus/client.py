@@ -1,0 +1,164 @@
+"""A thin layer over aiomqtt that every agent uses to talk to the broker.
+
+What it adds, and why:
+- TCP_NODELAY on the socket. Without it a QoS 1 round trip of a 1 KB frame on
+  loopback costs 44-88 ms (Nagle waits for the delayed ACK); with it ~0.5 ms
+  (measured with mosquitto 2.0.11). Every token crosses the broker S+1 times.
+- A retained Last Will, so an agent that dies shows up offline in MQTT Explorer,
+  and a retained "online" birth published on every (re)connect.
+- Reconnect with capped exponential backoff, re-subscribing each time: a broker
+  restart for an update must not need a person to restart every box.
+- A clean close publishes "offline" itself, because a clean DISCONNECT makes the
+  broker discard the Will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiomqtt
+from paho.mqtt.properties import Properties
+
+from edgebus.errors import BusError
+from plant_config import BrokerEndpoint
+
+log = logging.getLogger(__name__)
+
+NODELAY = (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+# First retry after a drop comes quickly (a broker restart takes ~1 s), then
+# backs off so twenty boxes don't hammer a broker that is down for longer.
+RECONNECT_INITIAL_S = 0.25
+RECONNECT_MAX_S = 10.0
+# How long publish() waits for a lost connection to come back before failing.
+PUBLISH_WAIT_S = 30.0
+# How long a clean close waits for the broker to ack the "offline" status.
+CLOSE_TIMEOUT_S = 2.0
+# CONNACK codes that no amount of retrying fixes (MQTT 3.1.1 and 5).
+_FATAL_CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
+                  4: "bad user name or password", 5: "not authorised",
+                  0x84: "unsupported protocol version", 0x85: "client id rejected",
+                  0x86: "bad user name or password", 0x87: "not authorised"}
+
+MessageHandler = Callable[[aiomqtt.Message], None]
+
+
+@dataclass
+class Presence:
+    """Retained status topic with the payloads for birth and death."""
+
+    topic: str
+    online: Callable[[], bytes]
+    offline: Callable[[], bytes]
+
+
+@dataclass
+class BusClient:
+    """One agent's connection to the broker. `run()` owns the connection loop."""
+
+    endpoint: BrokerEndpoint
+    client_id: str
+    subscriptions: list[tuple[str, int]] = field(default_factory=list)
+    presence: Presence | None = None
+    _client: aiomqtt.Client | None = field(default=None, init=False)
+    _connected: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    @property
+    def mqtt5(self) -> bool:
+        return self.endpoint.protocol == "5"
+
+    def _make_client(self) -> aiomqtt.Client:
+        ep = self.endpoint
+        will = None
+        if self.presence is not None:
+            will = aiomqtt.Will(self.presence.topic, self.presence.offline(), qos=1, retain=True)
+        tls_context = None
+        if ep.tls:
+            tls_context = ssl.create_default_context(
+                cafile=str(ep.ca_file) if ep.ca_file else None)
+        return aiomqtt.Client(
+            ep.host, ep.port, username=ep.username, password=ep.password,
+            identifier=self.client_id, will=will, keepalive=ep.keepalive_s,
+            protocol=aiomqtt.ProtocolVersion.V5 if self.mqtt5 else aiomqtt.ProtocolVersion.V311,
+            tls_context=tls_context, socket_options=[NODELAY])
+
+    async def run(self, handler: MessageHandler) -> None:
+        """Connect, subscribe, announce, and feed messages to `handler` until cancelled.
+
+        `handler` runs in the event loop for every message: it must only
+        dispatch (enqueue, resolve a future, spawn a task), never compute.
+        """
+        delay = RECONNECT_INITIAL_S
+        while True:
+            try:
+                async with self._make_client() as client:
+                    await self._on_connect(client)
+                    delay = RECONNECT_INITIAL_S
+                    try:
+                        async for message in client.messages:
+                            handler(message)
+                    finally:
+                        self._connected.clear()
+                        self._client = None
+            except aiomqtt.MqttCodeError as exc:
+                reason = _FATAL_CONNACK.get(int(exc.rc)) if isinstance(exc.rc, int) else None
+                if reason is not None:
+                    raise BusError(f"broker {self.endpoint.host}:{self.endpoint.port} refused "
+                                   f"{self.client_id!r}: {reason}. Check the plant file's broker "
+                                   "credentials and the broker's ACL.") from None
+                log.warning("MQTT connection lost (%s); reconnecting in %.1f s", exc, delay)
+            except aiomqtt.MqttError as exc:
+                log.warning("MQTT broker %s:%d unreachable (%s); retrying in %.1f s",
+                            self.endpoint.host, self.endpoint.port, exc, delay)
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, RECONNECT_MAX_S)
+
+    async def _on_connect(self, client: aiomqtt.Client) -> None:
+        for topic, qos in self.subscriptions:
+            await client.subscribe(topic, qos)
+        if self.presence is not None:
+            await client.publish(self.presence.topic, self.presence.online(), qos=1, retain=True)
+        self._client = client
+        self._connected.set()
+        log.info("connected to %s:%d as %s", self.endpoint.host, self.endpoint.port,
+                 self.client_id)
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._connected.wait(), timeout)
+
+    async def publish(self, topic: str, payload: bytes | str, *, qos: int = 1,
+                      retain: bool = False, properties: Properties | None = None) -> None:
+        """Publish, waiting up to PUBLISH_WAIT_S for a dropped connection to return."""
+        for _ in range(3):
+            try:
+                await asyncio.wait_for(self._connected.wait(), PUBLISH_WAIT_S)
+            except TimeoutError:
+                break
+            client = self._client
+            if client is None:
+                continue
+            try:
+                await client.publish(topic, payload, qos=qos, retain=retain,
+                                     properties=properties if self.mqtt5 else None)
+                return
+            except aiomqtt.MqttError as exc:
+                log.warning("publish to %s failed (%s); waiting for reconnect", topic, exc)
+                await asyncio.sleep(RECONNECT_INITIAL_S)
+        raise BusError(f"could not publish to {topic}: no broker connection for "
+                       f"{PUBLISH_WAIT_S:.0f} s")
+
+    async def announce_offline(self) -> None:
+        """Publish the retained offline status; call before a clean exit."""
+        client = self._client
+        if self.presence is None or client is None:
+            return
+        try:
+            await client.publish(self.presence.topic, self.presence.offline(), qos=1,
+                                 retain=True, timeout=CLOSE_TIMEOUT_S)
+        except aiomqtt.MqttError as exc:
+            log.warning("could not publish offline status (%s); the Will covers it", exc)

@@ -1,0 +1,172 @@
+"""The JSON messages of the gateway contract and of the ops view (pydantic).
+
+A gateway (PLC/SCADA bridge) publishes `GenerateRequest` to
+`{root}/llm/request/{client_id}` and reads `GenerateResponse` from
+`{root}/llm/response/{client_id}/{id}`. Agents publish `AgentStatus`, retained,
+to `{root}/status/{agent_id}` and `Event` to `{root}/events`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from edgebus.errors import RequestError
+from edgebus.topics import check_level
+
+# A request is a prompt plus knobs; 256 KiB holds a ~60k-token prompt, far past
+# any edge model's context, and bounds what one gateway can make us parse.
+MAX_REQUEST_BYTES = 256 * 1024
+# The contract says request ids are <= 64 chars: they become a topic level.
+MAX_ID_CHARS = 64
+MAX_STOP_STRINGS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(_Strict):
+    role: str = Field(min_length=1, max_length=32)
+    content: str
+
+
+class GenerateRequest(_Strict):
+    id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    max_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    top_k: int = Field(default=0, ge=0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    ignore_eos: bool = False
+    stream: bool = False
+    reply_to: str | None = Field(default=None, min_length=1, max_length=512)
+
+    @field_validator("id")
+    @classmethod
+    def _id_is_topic_level(cls, value: str) -> str:
+        return check_level(value, "id")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("reply_to")
+    @classmethod
+    def _reply_to_is_topic(cls, value: str | None) -> str | None:
+        if value is not None and ("+" in value or "#" in value or "\x00" in value):
+            raise ValueError("reply_to must be a topic name, without '+' or '#' wildcards")
+        return value
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (text used verbatim) "
+                             "or 'messages' (a chat, formatted with the model's chat template)")
+        return self
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    ttft_ms: float | None
+    total_ms: float
+
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+class GenerateResponse(BaseModel):
+    id: str
+    text: str = ""
+    tokens: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason
+    usage: Usage = Usage(prompt_tokens=0, completion_tokens=0)
+    timings: Timings = Timings(ttft_ms=None, total_ms=0.0)
+    error: ErrorInfo | None = None
+
+
+class StreamDelta(BaseModel):
+    id: str
+    index: int
+    delta: str
+
+
+class AgentStatus(BaseModel):
+    state: Literal["online", "offline"]
+    role: Literal["stage", "coordinator"]
+    agent_id: str
+    stage: int | None = None
+    layers: list[int] | None = None
+    pid: int
+    host: str
+    version: str
+    ts: float = Field(default_factory=time.time)
+
+
+class Event(BaseModel):
+    kind: Literal["join", "leave", "error", "warning"]
+    agent_id: str
+    message: str
+    request_id: str | None = None
+    ts: float = Field(default_factory=time.time)
+
+
+def parse_request(payload: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> GenerateRequest:
+    """Parse a gateway request, raising RequestError with a message that says what to fix."""
+    if len(payload) > max_bytes:
+        raise RequestError("too_large", f"request is {len(payload)} bytes; the limit is {max_bytes}")
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError("not_utf8", f"request is not UTF-8 ({exc.reason} at byte "
+                                       f"{exc.start}): send JSON encoded as UTF-8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestError("invalid_json", f"request is not JSON: {exc.msg} at line "
+                                           f"{exc.lineno} column {exc.colno}") from None
+    if not isinstance(data, dict):
+        raise RequestError("invalid_request", "request must be a JSON object")
+    try:
+        return GenerateRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestError("invalid_request", _describe(exc)) from None
+
+
+def salvage_id(payload: bytes) -> str | None:
+    """The request id of a payload that failed validation, if one can be trusted for a reply topic."""
+    try:
+        data: Any = json.loads(payload)
+        rid = data.get("id") if isinstance(data, dict) else None
+        if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS:
+            return check_level(rid, "id")
+    except (ValueError, UnicodeDecodeError):
+        pass
+    return None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "request"
+        what = "unknown field: remove it" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{where}: {what}")
+    return "; ".join(parts)
