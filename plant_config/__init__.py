@@ -1,0 +1,21 @@
+"""The plant file: YAML that says which node runs which layers of which model over which broker.
+
+Agents call `load_plant`; `edgebus init` calls `init_plant_file`.
+"""
+
+from plant_config.layout import even_split
+from plant_config.loader import init_plant_file, load_plant, make_plant, write_plant
+from plant_config.schema import BrokerEndpoint, BrokerSettings, CoordinatorSpec, Plant, StageSpec
+
+__all__ = [
+    "BrokerEndpoint",
+    "BrokerSettings",
+    "CoordinatorSpec",
+    "Plant",
+    "StageSpec",
+    "even_split",
+    "init_plant_file",
+    "load_plant",
+    "make_plant",
+    "write_plant",
+]

@@ -1,0 +1,182 @@
+"""Reading, checking and writing plant files, and making new ones from a model directory.
+
+`load_plant` is what every agent calls at start-up: it turns any mistake in
+the file, or any mismatch with the model directory, into one
+`PlantConfigError` that lists every problem as `plant.yaml: field: what`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from edgebus.errors import PlantConfigError
+from plant_config.layout import even_split, fit_problems
+from plant_config.problems import Problem, Problems, from_validation_error, plant_error
+from plant_config.schema import RELATIVE_TO, BrokerSettings, Plant
+
+# Multimodal checkpoints nest the decoder's config under one of these keys;
+# searching every nested dict could pick vision_config's layer count instead.
+_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+
+_HEADER = """\
+# edgebus plant file: which node runs which layers of which model, and where the broker is.
+# Every agent reads this same file; a relative model: path is relative to this file.
+# layers: [first, last + 1] - [0, 10] means layers 0-9. Optional per stage: threads: N.
+"""
+
+
+def load_plant(path: str | os.PathLike[str]) -> Plant:
+    """Read and check a plant file, including against the model directory it names."""
+    source = os.fspath(path)
+    raw = _read_yaml(Path(path), source)
+    try:
+        plant = Plant.model_validate(raw, context={RELATIVE_TO: Path(path).resolve().parent})
+    except ValidationError as exc:
+        raise plant_error(source, from_validation_error(exc, Plant)) from None
+    problems = _disk_problems(plant)
+    if problems:
+        raise plant_error(source, problems)
+    return plant
+
+
+def write_plant(plant: Plant, path: str | os.PathLike[str]) -> None:
+    """Write `plant` as a plant file that `load_plant` reads back equal."""
+    target = Path(path)
+    home = target.resolve().parent
+    broker_fields_not_used = set() if plant.broker.embedded else set(BrokerSettings.EMBEDDED_ONLY)
+    data = plant.model_dump(mode="json", exclude_none=True,
+                            exclude={"broker": broker_fields_not_used})
+    data["model"] = _path_for_file(plant.model, home)
+    if plant.broker.ca_file is not None:
+        data["broker"]["ca_file"] = _path_for_file(plant.broker.ca_file, home)
+    if plant.broker.password is not None:
+        # The plant file is where the password lives; model_dump masked it.
+        data["broker"]["password"] = plant.broker.password.get_secret_value()
+    text = _HEADER + yaml.dump(data, Dumper=_PlantDumper, sort_keys=False, allow_unicode=True)
+    try:
+        target.write_text(text, encoding="utf-8")
+        if plant.broker.password is not None:
+            target.chmod(0o600)  # holds a secret now
+    except OSError as exc:
+        raise PlantConfigError(f"{target}: cannot write the plant file: {exc}") from None
+
+
+def make_plant(model_dir: str | os.PathLike[str], *, stages: int = 3, broker: str = "embedded",
+               topic_root: str | None = None, plant_id: str = "plant") -> Plant:
+    """A plant that splits the model in `model_dir` evenly over nodes stage-0..stage-{n-1}."""
+    model = Path(model_dir).expanduser().resolve()
+    try:
+        num_layers, _ = _num_hidden_layers(model)
+    except Problems as exc:
+        raise plant_error(None, exc.problems) from None
+    stage_list = [{"node": f"stage-{index}", "layers": layers}
+                  for index, layers in enumerate(even_split(num_layers, stages))]
+    try:
+        return Plant.model_validate({"plant_id": plant_id, "broker": {"url": broker},
+                                     "topic_root": topic_root or f"edgebus/{plant_id}",
+                                     "model": model, "stages": stage_list})
+    except ValidationError as exc:
+        raise plant_error(None, from_validation_error(exc, Plant)) from None
+
+
+def init_plant_file(path: str | os.PathLike[str], model_dir: str | os.PathLike[str], *,
+                    stages: int = 3, broker: str = "embedded", topic_root: str | None = None,
+                    force: bool = False) -> Plant:
+    """Make a plant for `model_dir`, write it to `path` and return it as agents will load it."""
+    if Path(path).exists() and not force:
+        raise PlantConfigError(f"{os.fspath(path)}: already exists — not overwriting it; "
+                               "remove it first or use --force")
+    write_plant(make_plant(model_dir, stages=stages, broker=broker, topic_root=topic_root), path)
+    return load_plant(path)
+
+
+def _read_yaml(path: Path, source: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlantConfigError(f"{source}: no such plant file — create one with "
+                               f"`edgebus init {source} --model DIR`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlantConfigError(f"{source}: cannot read the plant file: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        where = ""
+        if exc.problem_mark is not None:
+            where = f"line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}: "
+        context = f" ({exc.context})" if exc.context else ""
+        raise PlantConfigError(f"{source}: {where}invalid YAML: {exc.problem}{context}") from None
+    except yaml.YAMLError as exc:
+        raise PlantConfigError(f"{source}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise PlantConfigError(f"{source}: expected a mapping with plant_id:, topic_root:, "
+                               f"model: and stages:, found {type(data).__name__}")
+    return data
+
+
+def _disk_problems(plant: Plant) -> list[Problem]:
+    """What in a schema-valid plant does not match the files it names."""
+    problems: list[Problem] = []
+    try:
+        num_layers, config = _num_hidden_layers(plant.model)
+    except Problems as exc:
+        problems.extend(exc.problems)
+    else:
+        ranges = [stage.layers for stage in plant.stages]
+        problems.extend(p.under("stages") for p in fit_problems(ranges, num_layers, config))
+    ca_file = plant.broker.ca_file
+    if ca_file is not None and not ca_file.is_file():
+        problems.append(Problem(("broker", "ca_file"), f"{ca_file} is not a file"))
+    return problems
+
+
+def _num_hidden_layers(model_dir: Path) -> tuple[int, Path]:
+    """The model's decoder layer count and the config.json it came from; Problems at `model`."""
+    config = model_dir / "config.json"
+    fix = (f"fix model: or create the directory from a GGUF checkpoint with "
+           f"`edgebus model import-gguf SRC.gguf {model_dir}`")
+    if model_dir.is_file():
+        raise Problems([Problem(("model",), f"{model_dir} is a file, not a model directory — "
+                                            "if it is a GGUF checkpoint, convert it with "
+                                            f"`edgebus model import-gguf {model_dir} DIR`")])
+    if not model_dir.is_dir():
+        raise Problems([Problem(("model",), f"no model directory at {model_dir} — {fix}")])
+    if not config.is_file():
+        raise Problems([Problem(("model",), f"{model_dir} has no config.json (looked for "
+                                            f"{config}) — {fix}")])
+    try:
+        settings = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Problems([Problem(("model",), f"cannot read {config}: {exc}")]) from None
+    if not isinstance(settings, dict):
+        settings = {}
+    nested = [settings[key] for key in _TEXT_CONFIG_KEYS if isinstance(settings.get(key), dict)]
+    for section in [settings, *nested]:
+        count = section.get("num_hidden_layers")
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            return count, config
+    raise Problems([Problem(("model",), f"{config} has no positive integer num_hidden_layers "
+                                        f"(also looked in {', '.join(_TEXT_CONFIG_KEYS)}) — "
+                                        "edgebus needs a decoder-only transformer checkpoint")])
+
+
+def _path_for_file(path: Path, home: Path) -> str:
+    """`path` as a plant file in `home` writes it: relative if inside `home`, so both can move."""
+    return str(path.relative_to(home)) if path.is_relative_to(home) else str(path)
+
+
+class _PlantDumper(yaml.SafeDumper):
+    """Writes lists of scalars, i.e. layer ranges, inline: `layers: [0, 10]`."""
+
+    def represent_list(self, data: Any) -> yaml.SequenceNode:
+        flow = all(not isinstance(item, list | dict) for item in data)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_PlantDumper.add_representer(list, _PlantDumper.represent_list)
