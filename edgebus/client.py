@@ -101,7 +101,8 @@ class BusClient:
                     delay = RECONNECT_INITIAL_S
                     try:
                         async for message in client.messages:
-                            handler(message)
+                            if self._subscribed(message):
+                                handler(message)
                     finally:
                         self._connected.clear()
                         self._client = None
@@ -117,6 +118,13 @@ class BusClient:
                             self.endpoint.host, self.endpoint.port, exc, delay)
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, RECONNECT_MAX_S)
+
+    def _subscribed(self, message: aiomqtt.Message) -> bool:
+        # amqtt 0.12.1 sends a connecting client the retained messages matching
+        # *every* client's subscriptions (Broker._client_connected loops over
+        # all of self._subscriptions), so a stage would be fed status JSON as
+        # frames. Drop what we never subscribed to.
+        return any(message.topic.matches(topic) for topic, _ in self.subscriptions)
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:
         for topic, qos in self.subscriptions:

@@ -168,7 +168,8 @@ def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], *, r
 def decode(data: bytes) -> Frame:
     """Parse and check a frame. Raises FrameError saying what is wrong."""
     if len(data) < HEADER_SIZE:
-        raise FrameError(f"frame of {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+        raise FrameError(f"frame of {len(data)} bytes is shorter than the "
+                         f"{HEADER_SIZE}-byte header")
     (magic, version, kind, code, flags, request, epoch, step, start, count, candidates, ndim, _,
      d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data)
     if magic != MAGIC:

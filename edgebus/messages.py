@@ -132,7 +132,8 @@ class Event(BaseModel):
 def parse_request(payload: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> GenerateRequest:
     """Parse a gateway request, raising RequestError with a message that says what to fix."""
     if len(payload) > max_bytes:
-        raise RequestError("too_large", f"request is {len(payload)} bytes; the limit is {max_bytes}")
+        raise RequestError("too_large",
+                           f"request is {len(payload)} bytes; the limit is {max_bytes}")
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -152,7 +153,7 @@ def parse_request(payload: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> Gene
 
 
 def salvage_id(payload: bytes) -> str | None:
-    """The request id of a payload that failed validation, if one can be trusted for a reply topic."""
+    """The id of a request that failed validation, if it can name a reply topic."""
     try:
         data: Any = json.loads(payload)
         rid = data.get("id") if isinstance(data, dict) else None
@@ -167,6 +168,7 @@ def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "request"
-        what = "unknown field: remove it" if err["type"] == "extra_forbidden" else err["msg"]
+        what = ("unknown field: remove it" if err["type"] == "extra_forbidden"
+                else err["msg"].removeprefix("Value error, "))
         parts.append(f"{where}: {what}")
     return "; ".join(parts)
