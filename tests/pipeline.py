@@ -1,0 +1,106 @@
+"""Run a whole plant inside the test process, over a real broker.
+
+Stage agents and the coordinator are the production classes, connected to a
+real broker through real sockets; only the OS-process boundary is left out
+(tests that depend on it run `edgebus up`). Loaded stage weights are shared
+between tests because loading is the slow part; KV caches live in the agents,
+so no request state is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+from brokers import BrokerHandle
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from edgebus.ask import ask
+from edgebus.messages import GenerateRequest, GenerateResponse
+from node_agent.coordinator import Coordinator
+from node_agent.stage import StageAgent
+from node_agent.stage_model import StageModel
+from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
+
+READY_TIMEOUT_S = 30.0
+
+
+def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int, int]],
+              **coordinator: object) -> Plant:
+    """A plant over `broker` with one stage per layer range, on a topic root of its own."""
+    return Plant(
+        plant_id="test", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
+        broker=BrokerSettings(url=f"mqtt://{broker.host}:{broker.port}",
+                              protocol="5" if broker.mqtt5 else "3.1.1"),
+        model=model_dir,
+        stages=[StageSpec(node=f"stage-{i}", layers=layers) for i, layers in enumerate(splits)],
+        coordinator=CoordinatorSpec(**coordinator))  # type: ignore[arg-type]
+
+
+@functools.cache
+def stage_model(model_dir: Path, first: int, end: int) -> StageModel:
+    return StageModel(model_dir, first, end)
+
+
+@functools.cache
+def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@asynccontextmanager
+async def running(plant: Plant) -> AsyncIterator[Coordinator]:
+    """Start every agent of `plant` as a task; yield once the pipeline is ready."""
+    stop = asyncio.Event()
+    stages = [StageAgent(plant, s.node, model=stage_model(plant.model, *s.layers))
+              for s in plant.stages]
+    coordinator = Coordinator(plant, tokenizer=tokenizer(plant.model))
+    tasks = [asyncio.create_task(agent.serve(stop)) for agent in [*stages, coordinator]]
+    try:
+        await asyncio.wait_for(coordinator._ready.wait(), READY_TIMEOUT_S)
+        yield coordinator
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+
+
+async def ask_all(plant: Plant, requests: Sequence[GenerateRequest]) -> list[GenerateResponse]:
+    """All requests in flight at once, each from its own gateway client."""
+    return list(await asyncio.gather(*(ask(plant, r, client_id=f"gw{i}")
+                                       for i, r in enumerate(requests))))
+
+
+@functools.cache
+def _reference_model(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def prompt_ids(model_dir: Path, request: GenerateRequest) -> list[int]:
+    """Tokenize like a test author would, straight from transformers."""
+    tok = tokenizer(model_dir)
+    if request.messages is not None:
+        chat = [m.model_dump() for m in request.messages]
+        return list(tok.apply_chat_template(chat, add_generation_prompt=True,
+                                            return_dict=True)["input_ids"])
+    return list(tok(request.prompt)["input_ids"])
+
+
+@functools.cache
+def _generate(model_dir: Path, ids: tuple[int, ...], max_new_tokens: int,
+              ignore_eos: bool) -> tuple[int, ...]:
+    model = _reference_model(model_dir)
+    kwargs = {"eos_token_id": None} if ignore_eos else {}
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,  # type: ignore[operator]
+                         do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         **kwargs)
+    return tuple(out[0, len(ids):].tolist())
+
+
+def reference_tokens(model_dir: Path, request: GenerateRequest) -> list[int]:
+    """What `generate(do_sample=False)` in one process gives for `request`."""
+    ids = tuple(prompt_ids(model_dir, request))
+    return list(_generate(model_dir, ids, request.max_tokens, request.ignore_eos))

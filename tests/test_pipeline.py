@@ -1,0 +1,90 @@
+"""End to end over a real broker: token-exact against `generate`, bad input answered.
+
+The acceptance bar: with greedy decoding, the tokens that come back over MQTT
+equal `transformers` `generate(do_sample=False)` on the same checkpoint in one
+process, for any split, with several requests in flight at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from brokers import BrokerHandle
+from pipeline import ask_all, plant_for, prompt_ids, reference_tokens, running
+from tiny_models import build_tiny
+
+from edgebus.messages import ChatMessage, GenerateRequest
+
+# A maintenance log long enough to be a >= 300-token prompt.
+LONG_PROMPT = " ".join(
+    f"Shift report {n}: press {n % 4 + 1} ran at {80 + n} strokes per minute; hydraulic "
+    f"pressure {190 + n % 7} bar; operator noted {'no faults' if n % 3 else 'a valve alarm'}."
+    for n in range(12)) + "\nSummary of the shift reports:"
+
+MAX_TOKENS = 24
+
+
+def requests() -> list[GenerateRequest]:
+    return [
+        GenerateRequest(id="chat", max_tokens=MAX_TOKENS, messages=[
+            ChatMessage(role="system", content="You are a maintenance assistant in a factory."),
+            ChatMessage(role="user", content="What does a PLC do?")]),
+        GenerateRequest(id="long", prompt=LONG_PROMPT, max_tokens=MAX_TOKENS),
+        GenerateRequest(id="short", prompt="The three most common causes of motor failure are",
+                        max_tokens=MAX_TOKENS),
+    ]
+
+
+SMOLLM2_SPLITS = {
+    "1-stage": [(0, 30)],
+    "2-stages": [(0, 15), (15, 30)],
+    "3-stages": [(0, 10), (10, 20), (20, 30)],
+    "uneven-3-20-7": [(0, 3), (3, 23), (23, 30)],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", SMOLLM2_SPLITS.values(), ids=SMOLLM2_SPLITS.keys())
+async def test_smollm2_token_exact_over_mosquitto(
+        smollm2_dir: Path, mosquitto_broker: BrokerHandle, split: list[tuple[int, int]]) -> None:
+    await _check_token_exact(smollm2_dir, mosquitto_broker, split)
+
+
+@pytest.mark.slow
+async def test_smollm2_token_exact_over_amqtt(smollm2_dir: Path,
+                                              amqtt_broker: BrokerHandle) -> None:
+    await _check_token_exact(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["uneven-3-20-7"])
+
+
+async def _check_token_exact(model_dir: Path, broker: BrokerHandle,
+                             split: list[tuple[int, int]]) -> None:
+    reqs = requests()
+    assert len(prompt_ids(model_dir, reqs[1])) >= 300
+    plant = plant_for(model_dir, broker, split)
+    async with running(plant):
+        responses = await ask_all(plant, reqs)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.error is None, response.error
+        assert response.tokens == reference_tokens(model_dir, request), request.id
+        assert response.usage.completion_tokens == len(response.tokens)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             smollm2_dir: Path) -> Path:
+    return build_tiny(request.param, tmp_path_factory.mktemp(request.param), smollm2_dir)
+
+
+@pytest.mark.parametrize("split", [[(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 5), (5, 6)]],
+                         ids=["1-stage", "2-stages", "3-stages-uneven"])
+async def test_tiny_families_token_exact(tiny_dir: Path, amqtt_broker: BrokerHandle,
+                                         split: list[tuple[int, int]]) -> None:
+    reqs = [r.model_copy(update={"ignore_eos": True}) for r in requests()]
+    plant = plant_for(tiny_dir, amqtt_broker, split)
+    async with running(plant):
+        responses = await ask_all(plant, reqs)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.tokens == reference_tokens(tiny_dir, request), request.id
+        assert len(response.tokens) == MAX_TOKENS
+        assert response.finish_reason == "length"

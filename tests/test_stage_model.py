@@ -1,0 +1,93 @@
+"""A stage holds its own slice of the model and nothing more, and computes it right."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from edgebus.errors import CheckpointError
+from node_agent.stage_model import StageModel
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def _checkpoint_bytes(model_dir: Path, prefixes: tuple[str, ...]) -> int:
+    """Bytes of the checkpoint tensors whose names start with one of `prefixes`."""
+    total = 0
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            if name.startswith(prefixes):
+                sl = f.get_slice(name)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * _DTYPE_BYTES[sl.get_dtype()]
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "end", "extra"), [
+    (0, 10, ("model.embed_tokens.",)),
+    (10, 20, ()),
+    # SmolLM2 ties its head to the embedding: the last stage loads that tensor as its head.
+    (20, 30, ("model.embed_tokens.", "model.norm.")),
+])
+def test_stage_holds_only_its_own_parameters(smollm2_dir: Path, first: int, end: int,
+                                             extra: tuple[str, ...]) -> None:
+    stage = StageModel(smollm2_dir, first, end)
+    own = tuple(f"model.layers.{i}." for i in range(first, end)) + extra
+    assert stage.param_bytes == _checkpoint_bytes(smollm2_dir, own)
+    assert stage.param_bytes < 0.5 * _checkpoint_bytes(smollm2_dir, ("",))
+
+
+_MEASURE = """
+import json, sys
+from pathlib import Path
+from node_agent.stage_model import StageModel
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) * 1024
+
+StageModel(Path(sys.argv[1]), 0, 1)  # pay for imports and lazy initialisation first
+base = rss()
+stage = StageModel(Path(sys.argv[1]), 10, 20)
+# Weights are memory-mapped: touch every one so they are really resident.
+assert all(bool(p.sum().isfinite()) for p in stage.parameters())
+print(json.dumps({"grown": rss() - base, "params": stage.param_bytes}))
+"""
+
+
+@pytest.mark.slow
+def test_middle_stage_process_memory_grows_by_its_layers_only(smollm2_dir: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(smollm2_dir)], check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    measured = json.loads(out.strip().splitlines()[-1])
+    full_model = _checkpoint_bytes(smollm2_dir, ("",))
+    # 10 of 30 layers are ~26 % of SmolLM2's bytes (the embedding is the rest).
+    assert measured["grown"] < measured["params"] * 1.1 + 32 * 2**20
+    assert measured["grown"] < full_model * 0.4
+
+
+@pytest.mark.slow
+def test_rotary_buffers_match_a_fully_loaded_model(smollm2_dir: Path) -> None:
+    stage = StageModel(smollm2_dir, 20, 30)
+    full = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    assert torch.equal(stage.rotary_emb.inv_freq, full.model.rotary_emb.inv_freq)
+    assert stage.rotary_emb.attention_scaling == full.model.rotary_emb.attention_scaling
+
+
+def test_missing_weights_say_how_to_fix(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8,
+        "intermediate_size": 16, "num_attention_heads": 2, "vocab_size": 10}))
+    with pytest.raises(CheckpointError, match="import-gguf"):
+        StageModel(tmp_path, 0, 1)
