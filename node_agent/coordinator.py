@@ -29,8 +29,18 @@ from edgebus import frames
 from edgebus.client import BusClient
 from edgebus.errors import FrameError, RequestError
 from edgebus.frames import Frame, Kind
-from edgebus.messages import (AgentStatus, ErrorInfo, Event, GenerateRequest, GenerateResponse,
-                              StreamDelta, Timings, Usage, parse_request, salvage_id)
+from edgebus.messages import (
+    AgentStatus,
+    ErrorInfo,
+    Event,
+    GenerateRequest,
+    GenerateResponse,
+    StreamDelta,
+    Timings,
+    Usage,
+    parse_request,
+    salvage_id,
+)
 from node_agent.runtime import presence, publish_event, run_agent, serve_until
 from node_agent.sampling import candidates_wanted, sample_token
 from node_agent.text import TextStream, prompt_ids
