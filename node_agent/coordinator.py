@@ -43,7 +43,7 @@ from edgebus.messages import (
 )
 from node_agent.runtime import presence, publish_event, run_agent, serve_until
 from node_agent.sampling import candidates_wanted, sample_token
-from node_agent.text import TextStream, prompt_ids
+from node_agent.text import TextStream, decode, prompt_ids
 from plant_config import Plant
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class Coordinator:
                 await self._stream(gen, len(tokens), rest)
             out_text = text.text
         else:
-            out_text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            out_text = decode(self.tokenizer, tokens)
         total = time.perf_counter() - received
         return GenerateResponse(
             id=request.id, text=out_text, tokens=tokens, finish_reason=finish,  # type: ignore[arg-type]
@@ -287,7 +287,7 @@ def _error_response(request_id: str, exc: RequestError) -> GenerateResponse:
 def _correlation(route: ReplyRoute) -> Properties | None:
     if route.correlation is None:
         return None
-    props = Properties(PacketTypes.PUBLISH)
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
     props.CorrelationData = route.correlation
     return props
 

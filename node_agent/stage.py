@@ -67,7 +67,7 @@ class StageAgent:
 
     def _on_message(self, message: aiomqtt.Message) -> None:
         try:
-            frame = frames.decode(message.payload)  # type: ignore[arg-type]
+            frame = frames.decode(message.payload)
         except (FrameError, TypeError) as exc:
             self._report(f"dropped a frame on {message.topic}: {exc}")
             return

@@ -56,8 +56,8 @@ class StageModel(nn.Module):
         self.slice = StageSlice(first, end, config.num_hidden_layers)
         self.dtype = dtype
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                        dtype=dtype)
+            skeleton = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, attn_implementation="sdpa", dtype=dtype)
         decoder = skeleton.get_decoder()
         prefix = _module_path(skeleton, decoder)
         head = skeleton.get_output_embeddings()
@@ -142,7 +142,8 @@ class StageModel(nn.Module):
         if self.lm_head is None:
             return h
         assert self.norm is not None
-        return self.lm_head(self.norm(h[:, -1:]))[:, -1].float()                        # [1,V]
+        logits: torch.Tensor = self.lm_head(self.norm(h[:, -1:]))[:, -1]               # [1,V]
+        return logits.float()
 
 
 def _causal_mask(start: int, t: int) -> torch.Tensor:
@@ -155,7 +156,7 @@ def _causal_mask(start: int, t: int) -> torch.Tensor:
 def _module_path(root: nn.Module, target: nn.Module) -> str:
     for name, module in root.named_modules():
         if module is target:
-            return name
+            return str(name)
     raise CheckpointError(f"{type(target).__name__} is not part of {type(root).__name__}")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PreTrainedTokenizerBase
 
 from edgebus.messages import GenerateRequest
@@ -11,11 +13,16 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: GenerateRequest) -> 
     """`messages` go through the model's chat template; `prompt` is used verbatim."""
     if request.messages is not None:
         chat = [m.model_dump() for m in request.messages]
-        encoded = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)
+        encoded: Any = tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=True)
         return list(encoded["input_ids"])
     assert request.prompt is not None
     return list(tokenizer(request.prompt)["input_ids"])
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """Generated ids as text, special tokens (EOS, chat markers) left out."""
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
 class TextStream:
@@ -39,7 +46,7 @@ class TextStream:
     def add(self, token: int) -> str:
         """Append one id; return the new text safe to show (may be empty)."""
         self._ids.append(token)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        text = decode(self._tokenizer, self._ids)
         if self._stop:
             search_from = max(0, len(self.text) - max(map(len, self._stop)))
             hits = [i for i in (text.find(s, search_from) for s in self._stop) if i >= 0]
