@@ -1,0 +1,163 @@
+"""An MQTT 3.1.1 broker inside a Python process, built on amqtt.
+
+For a bench, a demo or a small cell that has no Mosquitto: `run_broker_forever`
+is the blocking entry point a command or a systemd unit calls, and
+`EmbeddedBroker` is the same broker as an async context manager, which tests
+and single-box setups start in-process. A plant with a Mosquitto keeps using
+it: amqtt speaks MQTT 3.1.1 only and keeps nothing across a restart.
+
+Every client is admitted, without credentials: authentication and TLS are a
+later concern.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import TracebackType
+
+from amqtt.broker import Broker
+from amqtt.contexts import BrokerConfig, ListenerConfig, ListenerType
+from amqtt.errors import BrokerError
+from amqtt.plugins.base import BaseAuthPlugin
+from amqtt.session import Session
+
+from edgebus.errors import BusError
+
+logger = logging.getLogger(__name__)
+
+# amqtt logs every connection at INFO, and `transitions` (its state-machine
+# library) logs every session state change at INFO: several lines per client
+# connect. An edge box running for months wants warnings only.
+_NOISY_LOGGERS = ("amqtt", "transitions")
+_NOISY_DEFAULT_LEVEL = logging.WARNING
+
+# amqtt requires its first listener to carry this name; other listeners inherit from it.
+_LISTENER_NAME = "default"
+
+
+class AllowAllAuthPlugin(BaseAuthPlugin):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
+    """Admits every client, with or without credentials.
+
+    Unlike amqtt's AnonymousAuthPlugin it does not flag sessions anonymous:
+    amqtt neither queues QoS 1/2 messages for an offline persistent session
+    (clean_session=False) nor keeps that session once the client is gone when
+    the flag is set. Without it, a reconnecting agent gets what it missed,
+    as with Mosquitto.
+    """
+
+    async def authenticate(self, *, session: Session) -> bool:
+        return True
+
+
+# Passing `plugins` explicitly replaces amqtt's defaults, which include the
+# $SYS plugin (a status publish every 20 s) and two debug loggers we do not want.
+_PLUGINS: dict[str, dict[str, object]] = {f"{__name__}.{AllowAllAuthPlugin.__name__}": {}}
+
+
+# Used only when the caller has not configured logging: timestamps, because
+# the output usually ends up in a journal read days later.
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
+    """amqtt's Broker, closing every client socket when its connection handler ends."""
+
+    async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                               listener_name: str) -> None:
+        try:
+            await super().stream_connected(reader, writer, listener_name=listener_name)
+        except Exception as exc:
+            # Left to asyncio, this would surface as "Task exception was never
+            # retrieved" with a traceback; the broker itself is unaffected.
+            logger.warning("MQTT client connection ended with an error: %r", exc)
+        finally:
+            # amqtt leaves the socket of a failed handshake (a TCP health
+            # probe, a truncated CONNECT) open until garbage collection.
+            writer.close()
+
+
+def _quiet_amqtt() -> None:
+    """Cap amqtt's logging at WARNING unless someone set its loggers' levels on purpose."""
+    for name in _NOISY_LOGGERS:
+        noisy = logging.getLogger(name)
+        if noisy.level == logging.NOTSET:
+            noisy.setLevel(_NOISY_DEFAULT_LEVEL)
+
+
+class EmbeddedBroker:
+    """An amqtt broker bound to `host:port` for the duration of an `async with` block.
+
+    `port=0` picks a free port; `.port` holds the bound one once entered.
+    Retained messages, Last Will and persistent sessions (QoS 1 messages
+    queued for an offline clean_session=False client) work, in memory only.
+    Unlike Mosquitto, amqtt delivers at the subscription's QoS even when the
+    publisher used a lower one.
+
+    Clients that vanish without a DISCONNECT (killed process, pulled cable,
+    a TCP port probe) make amqtt log a warning or an error line; its
+    per-connection code catches the failure, so the broker keeps serving.
+    Server-side sockets get TCP_NODELAY from asyncio itself (its selector
+    transport sets it on every TCP socket, accepted ones included): no Nagle
+    delay on small QoS 1 acks, unlike a Mosquitto without `set_tcp_nodelay true`.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 1883) -> None:
+        self.host = host
+        self.port = port
+        self._broker: Broker | None = None
+
+    async def __aenter__(self) -> EmbeddedBroker:
+        _quiet_amqtt()
+        listener = ListenerConfig(type=ListenerType.TCP, bind=f"{self.host}:{self.port}")
+        config = BrokerConfig(listeners={_LISTENER_NAME: listener}, plugins=_PLUGINS)
+        broker = _Broker(config)
+        try:
+            await broker.start()
+        except BrokerError as exc:
+            raise BusError(
+                f"the embedded MQTT broker cannot listen on {self.host}:{self.port} ({exc}); "
+                "another broker (Mosquitto?) may hold the port: stop it or choose another port"
+            ) from exc
+        self._broker = broker
+        self.port = self._bound_port(broker)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        broker, self._broker = self._broker, None
+        if broker is not None:
+            await broker.shutdown()
+
+    @staticmethod
+    def _bound_port(broker: Broker) -> int:
+        # amqtt has no public accessor for the listening socket; `_servers` is
+        # its own listener bookkeeping. With port 0 and a host name resolving to
+        # several addresses, each socket gets a port of its own: we report the first.
+        server = broker._servers[_LISTENER_NAME].instance
+        port: int = server.sockets[0].getsockname()[1]
+        return port
+
+
+async def _serve_until_signalled(host: str, port: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with EmbeddedBroker(host, port) as broker:
+        logger.info("edgebus embedded broker listening on %s:%d", broker.host, broker.port)
+        await stop.wait()
+        logger.info("edgebus embedded broker stopping")
+
+
+def run_broker_forever(host: str, port: int) -> None:
+    """Serve MQTT on `host:port` until SIGINT or SIGTERM, then shut down and return."""
+    # A no-op when the caller configured logging already; otherwise the
+    # "listening" line would be swallowed by logging's WARNING-only last resort.
+    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
+    asyncio.run(_serve_until_signalled(host, port))

