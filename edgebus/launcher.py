@@ -1,0 +1,490 @@
+"""`edgebus up`: every agent of a plant file on this machine, each in its own OS process.
+
+On a real plant each stage is its own box. `up` is the bench and single-box
+form of that: the same agents and the same MQTT traffic, one process each, so
+a crash, a kill or a slow model load behaves as it would across boxes. When
+the plant uses the embedded broker, that is one more process, started first
+and stopped last (so the agents' "offline" statuses and Last Wills still
+reach it).
+
+No orphans: every child asks the kernel for SIGTERM when its parent dies
+(PR_SET_PDEATHSIG), so a SIGKILLed `up` takes its children with it; and every
+child runs in its own session, so a terminal's Ctrl-C reaches `up` alone,
+which then stops the agents in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Literal, TextIO
+
+import aiomqtt
+from pydantic import ValidationError
+
+from edgebus.client import BusClient
+from edgebus.errors import EdgebusError
+from edgebus.messages import AgentStatus
+from plant_config import Plant, load_plant
+
+# amqtt listens ~0.2 s after its interpreter starts here; the margin is for a
+# Raspberry Pi importing Python packages from an SD card.
+BROKER_START_TIMEOUT_S = 30.0
+# A stage reports "online" only once its layers are loaded: a multi-GB slice
+# read from an SD card takes minutes.
+READY_TIMEOUT_S = 600.0
+# A clean agent exit publishes "offline" (bounded by the client's 2 s close
+# timeout) after finishing the forward step in flight, seconds on a slow box.
+STOP_GRACE_S = 10.0
+# How often children are checked for an exit: a crash is reported at once,
+# and a poll costs nothing.
+POLL_INTERVAL_S = 0.1
+# An error quotes the end of a child's output: that is where the traceback is.
+TAIL_LINES = 20
+# Bytes of a log file read to find its last lines; tracebacks are far shorter.
+_TAIL_BYTES = 64 * 1024
+# How long one broker probe waits for a CONNACK.
+_PROBE_TIMEOUT_S = 1.0
+BROKER_NAME = "broker"
+
+# <linux/prctl.h>
+_PR_SET_PDEATHSIG = 1
+# Forwarded child lines are written whole, one at a time, so they never interleave.
+_OUTPUT_LOCK = threading.Lock()
+
+Role = Literal["broker", "stage", "coordinator"]
+
+
+@dataclass
+class _Child:
+    """One agent (or the broker) and the process running it."""
+
+    name: str
+    role: Role
+    argv: list[str]
+    log_path: Path | None
+    proc: subprocess.Popen[bytes] | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    readers: list[threading.Thread] = field(default_factory=list)
+
+
+class PlantProcesses:
+    """Every agent of one plant file, each in its own process; a context manager that stops them.
+
+    `log_dir=None`: children write to this process's stdout/stderr, each line
+    prefixed with "[name] "; otherwise each child writes `log_dir/<name>.log`.
+    """
+
+    def __init__(self, plant_path: Path, *, log_dir: Path | None = None) -> None:
+        # Loading checks the file and the model directory before anything starts.
+        self.plant: Plant = load_plant(plant_path)
+        self.plant_path = plant_path
+        self.log_dir = log_dir
+        plant = self.plant
+        command = [sys.executable, "-m", "edgebus"]
+        children: list[_Child] = []
+        if plant.broker.embedded:
+            if any(stage.node == BROKER_NAME for stage in plant.stages):
+                raise EdgebusError(f"{plant_path}: a stage node is named {BROKER_NAME!r}, the "
+                                   "name `edgebus up` gives the embedded broker: rename the node")
+            children.append(self._child(BROKER_NAME, "broker",
+                                        [*command, "broker", str(plant_path)]))
+        # Every agent runs on this one box, so stages that do not set their
+        # threads share the cores: oversubscribed, they wait on each other's
+        # spinning OpenMP threads (measured on 2 cores, 3 stages: 150-280 ms
+        # per token with all cores each, ~70 ms with one each).
+        shared = str(max(1, _cores() // len(plant.stages)))
+        children += [self._child(stage.node, "stage",
+                                 [*command, "node", str(plant_path), "--id", stage.node,
+                                  "--threads", str(stage.threads or shared)])
+                     for stage in plant.stages]
+        children.append(self._child(plant.coordinator.id, "coordinator",
+                                    [*command, "coordinator", str(plant_path)]))
+        self._children = children
+        self._stopped = False
+
+    def _child(self, name: str, role: Role, argv: list[str]) -> _Child:
+        log_path = None if self.log_dir is None else self.log_dir / f"{name}.log"
+        return _Child(name, role, argv, log_path)
+
+    def __enter__(self) -> PlantProcesses:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Process id of every child started, by agent id ("broker" for the broker)."""
+        return {c.name: c.proc.pid for c in self._children if c.proc is not None}
+
+    @property
+    def agents(self) -> list[str]:
+        """Agent ids that report a status: the stage nodes and the coordinator."""
+        return [c.name for c in self._children if c.role != "broker"]
+
+    def start(self) -> None:
+        """Start the broker (returning once it answers MQTT), then the stages, then the coordinator.
+
+        Call it from the main thread: the kernel's parent-death signal fires
+        when the *thread* that started a child exits. On failure, whatever
+        was started is stopped again.
+        """
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for child in self._children:
+                if child.role == "broker":
+                    self._check_broker_port()
+                    self._spawn(child)
+                    self._wait_broker(child)
+                else:
+                    self._spawn(child)
+        except BaseException:
+            self.stop()
+            raise
+
+    async def wait_online(self, timeout: float, *,
+                          on_online: Callable[[str], None] | None = None) -> None:
+        """Return once every stage node and the coordinator report "online".
+
+        Only a status carrying the pid of the process started here counts, so a
+        stale retained status left on an external broker by an earlier run
+        does not. `on_online(agent_id)` is called as each one comes up.
+        Raises EdgebusError if a child exits meanwhile, or at `timeout`.
+        """
+        waiting = {c.name: c.proc.pid for c in self._children
+                   if c.role != "broker" and c.proc is not None}
+        topics = self.plant.topics
+
+        def on_message(message: aiomqtt.Message) -> None:
+            if not isinstance(message.payload, bytes | str):
+                return
+            try:
+                status = AgentStatus.model_validate_json(message.payload)
+            except ValidationError:
+                return  # not an agent status, so nothing to wait for
+            if status.state == "online" and waiting.get(status.agent_id) == status.pid:
+                del waiting[status.agent_id]
+                if on_online is not None:
+                    on_online(status.agent_id)
+
+        endpoint = self.plant.broker.endpoint()
+        bus = BusClient(endpoint, f"{self.plant.plant_id}.up-{secrets.token_hex(4)}",
+                        subscriptions=[(topics.status_filter, 1)])
+        runner = asyncio.create_task(bus.run(on_message))
+        connected = asyncio.create_task(bus.wait_connected())
+        deadline = time.monotonic() + timeout
+        try:
+            while waiting:
+                dead = self.poll()
+                if dead is not None:
+                    raise EdgebusError(f"{self.describe_exit(dead[0])} before the plant came "
+                                       f"online.\n{self._tail_report(dead[0])}")
+                if runner.done():
+                    runner.result()  # a refused connection (credentials) ends here: raise it
+                if time.monotonic() > deadline:
+                    missing = ", ".join(waiting)
+                    why = ("" if connected.done() else f" (could not connect to the broker at "
+                           f"{endpoint.host}:{endpoint.port} to watch {topics.status_filter})")
+                    logs = "" if self.log_dir is None else f"; their logs are in {self.log_dir}"
+                    raise EdgebusError(f"not online after {timeout:.0f} s: {missing}{why}{logs}")
+                await asyncio.sleep(POLL_INTERVAL_S)
+        finally:
+            for task in (runner, connected):
+                task.cancel()
+            await asyncio.gather(runner, connected, return_exceptions=True)
+
+    def poll(self) -> tuple[str, int] | None:
+        """(name, exit code) of the first child found exited, or None while all run."""
+        for child in self._children:
+            if child.proc is not None and child.proc.poll() is not None:
+                return child.name, child.proc.returncode
+        return None
+
+    def describe_exit(self, name: str) -> str:
+        """E.g. "stage-1 (pid 4242) was killed by SIGKILL"."""
+        proc = self._by_name(name).proc
+        assert proc is not None and proc.returncode is not None
+        code = proc.returncode
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        return f"{name} (pid {proc.pid}) {how}"
+
+    def stop(self) -> None:
+        """SIGTERM the agents, SIGKILL those still running after STOP_GRACE_S, then the broker.
+
+        Idempotent. The agents go first and the broker last, so their
+        "offline" statuses (or, for a killed one, its Last Will) are published.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        _terminate([c for c in self._children if c.role != "broker"])
+        _terminate([c for c in self._children if c.role == "broker"])
+        for child in self._children:
+            for reader in child.readers:
+                reader.join(STOP_GRACE_S)
+
+    # -- internals ----------------------------------------------------------------
+
+    def _by_name(self, name: str) -> _Child:
+        for child in self._children:
+            if child.name == name:
+                return child
+        raise KeyError(name)
+
+    def _spawn(self, child: _Child) -> None:
+        # Unbuffered: a child's lines must reach its log or our terminal as they
+        # are written, not when an 8 KiB buffer fills or at exit.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with contextlib.ExitStack() as files:  # the child keeps its own log descriptor
+            out: int | IO[bytes] = subprocess.PIPE
+            err = subprocess.PIPE
+            if child.log_path is not None:
+                out, err = files.enter_context(child.log_path.open("ab")), subprocess.STDOUT
+            child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=err, env=env, start_new_session=True,
+                                          preexec_fn=_die_with_parent())
+        if child.log_path is not None:
+            return
+        assert child.proc.stdout is not None and child.proc.stderr is not None
+        for stream, sink in ((child.proc.stdout, sys.stdout), (child.proc.stderr, sys.stderr)):
+            reader = threading.Thread(target=_forward, args=(stream, sink, child),
+                                      name=f"output-{child.name}", daemon=True)
+            reader.start()
+            child.readers.append(reader)
+
+    def _check_broker_port(self) -> None:
+        """Fail now, with a clear message, if the embedded broker's port is taken.
+
+        Debian's mosquitto package starts a broker on 1883, the default port:
+        without this check the agents would start, find that broker, and the
+        failure would surface only as the embedded broker's exit.
+        """
+        settings = self.plant.broker
+        host = settings.bind or settings.host
+        try:
+            addresses = socket.getaddrinfo(host, settings.port, type=socket.SOCK_STREAM,
+                                           flags=socket.AI_PASSIVE)
+        except OSError:
+            return  # an unresolvable bind address: the broker itself says so
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as sock:
+                # As asyncio's server does: a port with connections in TIME_WAIT is free.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind(address)
+                except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        raise EdgebusError(
+                            f"{self.plant_path}: port {settings.port} on {host} is already in "
+                            "use (a Mosquitto?), so the embedded broker cannot listen there: "
+                            "set broker.port to a free port, or point broker.url at the broker "
+                            "that holds it") from None
+
+    def _wait_broker(self, child: _Child) -> None:
+        endpoint = self.plant.broker.endpoint()
+        deadline = time.monotonic() + BROKER_START_TIMEOUT_S
+        assert child.proc is not None
+        while not _mqtt_accepts(endpoint.host, endpoint.port):
+            if child.proc.poll() is not None:
+                raise EdgebusError(f"the embedded broker: {self.describe_exit(child.name)} at "
+                                   f"start.\n{self._tail_report(child.name)}")
+            if time.monotonic() > deadline:
+                raise EdgebusError(f"the embedded broker did not answer on {endpoint.host}:"
+                                   f"{endpoint.port} within {BROKER_START_TIMEOUT_S:.0f} s."
+                                   f"\n{self._tail_report(child.name)}")
+            time.sleep(POLL_INTERVAL_S)
+
+    def _tail(self, name: str) -> list[str]:
+        child = self._by_name(name)
+        if child.log_path is None:
+            return list(child.tail)
+        try:
+            with child.log_path.open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - _TAIL_BYTES))
+                return log.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
+        except OSError:
+            return []
+
+    def _tail_report(self, name: str) -> str:
+        lines = self._tail(name)
+        where = self._by_name(name).log_path
+        full = f" (full log: {where})" if where is not None else ""
+        if not lines:
+            return f"It wrote no output{full}."
+        body = "\n".join(f"    {line}" for line in lines)
+        return f"Last lines of its output{full}:\n{body}"
+
+
+def _terminate(children: list[_Child]) -> None:
+    """SIGTERM `children` together, wait up to STOP_GRACE_S, SIGKILL the rest."""
+    running = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _forward(stream: IO[bytes], sink: TextIO, child: _Child) -> None:
+    """Copy a child's output to `sink` line by line, prefixed with its name (reader thread)."""
+    prefix = f"[{child.name}] "
+    with stream:
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip("\n")
+            child.tail.append(line)
+            # A closed terminal (`up | head`) must not stop the draining: a
+            # child blocked on a full pipe would hang.
+            with _OUTPUT_LOCK, contextlib.suppress(OSError, ValueError):
+                sink.write(f"{prefix}{line}\n")
+                sink.flush()
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel SIGTERM the child when its parent dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    # Looked up here, in the parent: the child between fork and exec should do
+    # as little as possible.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        # Between fork and exec, while output threads may hold locks in the
+        # parent: only plain system calls here, nothing that takes a lock.
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        # If the parent died before prctl, nobody will ever signal this child.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def _mqtt_accepts(host: str, port: int) -> bool:
+    """Whether an MQTT broker at host:port accepts an anonymous MQTT 3.1.1 CONNECT.
+
+    A full handshake rather than a bare TCP connect: amqtt logs an error for
+    every connection that closes without sending a CONNECT.
+    """
+    client_id = f"edgebus-up-probe-{os.getpid()}".encode()
+    # Protocol name "MQTT", level 4 (3.1.1), clean session, keepalive 0; then the client id.
+    body = b"\x00\x04MQTT\x04\x02\x00\x00" + len(client_id).to_bytes(2, "big") + client_id
+    connect = bytes([0x10, len(body)]) + body  # body < 128 bytes: a one-byte length
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S) as sock:
+            sock.sendall(connect)
+            connack = sock.recv(4)
+            sock.sendall(b"\xe0\x00")  # DISCONNECT
+    except OSError:
+        return False
+    return connack == b"\x20\x02\x00\x00"  # CONNACK, return code 0: accepted
+
+
+# -- `edgebus up` ------------------------------------------------------------------
+
+
+def run_up(plant_path: Path) -> int:
+    """`edgebus up PLANT`: start the plant, report it online, keep it running until told to stop.
+
+    Returns 0 after SIGINT/SIGTERM (everything stopped cleanly) and 1 when a
+    child died while the plant was up. A failure to come online raises
+    EdgebusError (with the culprit's last output), after stopping the rest.
+    """
+    with PlantProcesses(plant_path) as plant:
+        return asyncio.run(_up(plant))
+
+
+async def _up(plant: PlantProcesses) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Installed before anything starts: a Ctrl-C or SIGTERM while agents load
+    # still stops them in order.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        return await _serve(plant, stop)
+    finally:
+        # Still inside the loop, so a second Ctrl-C only re-sets `stop` and
+        # cannot interrupt the shutdown half-way.
+        if plant.pids:
+            print("edgebus up: stopping the plant", flush=True)
+            plant.stop()
+            print("edgebus up: stopped", flush=True)
+
+
+async def _serve(plant: PlantProcesses, stop: asyncio.Event) -> int:
+    started = time.monotonic()
+    plant.start()
+    pids = plant.pids
+    print(f"edgebus up: started {', '.join(f'{n} (pid {p})' for n, p in pids.items())}; "
+          f"waiting for {len(plant.agents)} agents to load and come online", flush=True)
+
+    def online(agent: str) -> None:
+        print(f"edgebus up: {agent} online after {time.monotonic() - started:.1f} s", flush=True)
+
+    ready = asyncio.create_task(plant.wait_online(READY_TIMEOUT_S, on_online=online))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([ready, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        ready.cancel()
+        await asyncio.gather(ready, return_exceptions=True)
+        return 0
+    stopper.cancel()
+    ready.result()  # raises EdgebusError if the plant did not come online
+    print(_table(plant), flush=True)
+    while not stop.is_set():
+        dead = plant.poll()
+        if dead is not None:
+            print(f"edgebus up: {plant.describe_exit(dead[0])}; stopping the rest",
+                  file=sys.stderr, flush=True)
+            return 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), POLL_INTERVAL_S)
+    return 0
+
+
+def _table(plant: PlantProcesses) -> str:
+    endpoint = plant.plant.broker.endpoint()
+    detail = {BROKER_NAME: f"{endpoint.host}:{endpoint.port}"}
+    detail.update({s.node: f"layers [{s.layers[0]}, {s.layers[1]})" for s in plant.plant.stages})
+    detail[plant.plant.coordinator.id] = f"requests on {plant.plant.topics.request_filter}"
+    pids = plant.pids
+    width = max(len(name) for name in pids)
+    rows = [f"  {name:<{width}}  pid {pid:<8} {detail[name]}" for name, pid in pids.items()]
+    broker = "" if plant.plant.broker.embedded else f" (broker {endpoint.host}:{endpoint.port})"
+    return "\n".join([f"plant {plant.plant.plant_id!r} is up{broker}:", *rows,
+                      f'ask it: edgebus ask {plant.plant_path} "Hello"   stop: Ctrl-C'])
+
+
+def _cores() -> int:
+    """Cores this process may run on (a container or taskset may allow fewer than exist)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
