@@ -62,7 +62,24 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
-    """amqtt's Broker, closing every client socket when its connection handler ends."""
+    """amqtt's Broker with two fixes to how it treats connecting clients.
+
+    - It closes every client socket when its connection handler ends.
+    - On CONNECT, amqtt 0.12.1 walks *every* client's subscription filters
+      and sends the new client the retained messages matching them, awaiting
+      inside the walk: clients get retained messages they never asked for,
+      and a client subscribing meanwhile kills the connect with "dictionary
+      changed size during iteration" (seen with four agents starting at once;
+      the victim waited out aiomqtt's 10 s CONNACK timeout). Retained messages
+      now go only to a session that holds the filter, and for the others the
+      walk returns without awaiting, so nothing can change under it.
+    """
+
+    async def _publish_retained_messages_for_subscription(
+            self, subscription: tuple[str, int], session: Session) -> None:
+        holders = self._subscriptions.get(subscription[0], ())
+        if any(holder is session for holder, _ in holders):
+            await super()._publish_retained_messages_for_subscription(subscription, session)
 
     async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                listener_name: str) -> None:

@@ -120,10 +120,10 @@ class BusClient:
             delay = min(delay * 2, RECONNECT_MAX_S)
 
     def _subscribed(self, message: aiomqtt.Message) -> bool:
-        # amqtt 0.12.1 sends a connecting client the retained messages matching
-        # *every* client's subscriptions (Broker._client_connected loops over
-        # all of self._subscriptions), so a stage would be fed status JSON as
-        # frames. Drop what we never subscribed to.
+        # A broker may deliver what matches none of our filters (a stock
+        # amqtt 0.12.1 sends a connecting client the retained messages of
+        # *every* client's subscriptions); a stage must never take status
+        # JSON for a frame, so drop what we never subscribed to.
         return any(message.topic.matches(topic) for topic, _ in self.subscriptions)
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:

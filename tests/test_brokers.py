@@ -112,6 +112,18 @@ async def test_retained_message_reaches_late_subscriber(broker: BrokerHandle) ->
     assert (msg.topic.value, msg.payload, msg.retain) == ("t/status/a", b"online", True)
 
 
+async def test_retained_messages_go_only_to_matching_subscribers(broker: BrokerHandle) -> None:
+    # amqtt 0.12.1 unpatched sends a connecting client the retained messages
+    # matching *other* clients' filters; an agent would read status JSON as frames.
+    async with client(broker) as watcher:
+        await watcher.subscribe("t/status/+", qos=1)
+        await watcher.publish("t/status/a", b"online", qos=1, retain=True)
+        async with client(broker) as stage:
+            await stage.subscribe("t/act/stage-0", qos=1)
+            with pytest.raises(TimeoutError):
+                await next_message(stage, SILENCE_S)
+
+
 async def test_empty_retained_message_clears_the_topic(broker: BrokerHandle) -> None:
     async with client(broker) as pub:
         await pub.publish("t/status/gone", b"online", qos=1, retain=True)
