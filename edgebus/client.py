@@ -160,6 +160,16 @@ class BusClient:
         raise BusError(f"could not publish to {topic}: no broker connection for "
                        f"{PUBLISH_WAIT_S:.0f} s")
 
+    async def refresh_presence(self) -> None:
+        """Republish the retained online status (fresh timestamp and metrics), if connected."""
+        client = self._client
+        if self.presence is None or client is None:
+            return
+        try:
+            await client.publish(self.presence.topic, self.presence.online(), qos=0, retain=True)
+        except aiomqtt.MqttError as exc:
+            log.debug("status refresh skipped (%s)", exc)
+
     async def announce_offline(self) -> None:
         """Publish the retained offline status; call before a clean exit."""
         client = self._client

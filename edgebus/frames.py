@@ -11,13 +11,17 @@
     20     4     step (u32): 0 = prefill, n = n-th decode step
     24     4     start: position of the first token in this frame
     28     4     count: token positions in this frame
-    32     2     candidates the last stage should return (1 = greedy argmax)
+    32     2     candidates the last stage should return (1 = greedy argmax,
+                 0 = none: a prefill chunk that is not the prompt's last)
     34     1     ndim (1..3)
     35     1     reserved (0)
     36     12    shape, 3 x u32 (unused dims 0)
     48     4     payload bytes on the wire
     52     4     CRC-32 of header bytes 0..51 and the wire payload
     56     ...   payload
+
+An MQTT message carries one frame or several back to back: a stage sends a
+batched decode step's rows as one message (one broker hop, not B).
 
 Little-endian throughout. The payload is the tensor's raw bytes, or their LZ4
 block when that is meaningfully smaller. Hidden states of a trained model are
@@ -166,12 +170,46 @@ def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], *, r
 
 
 def decode(data: bytes) -> Frame:
-    """Parse and check a frame. Raises FrameError saying what is wrong."""
-    if len(data) < HEADER_SIZE:
-        raise FrameError(f"frame of {len(data)} bytes is shorter than the "
+    """Parse and check exactly one frame. Raises FrameError saying what is wrong."""
+    frame, end = _decode_at(data, 0)
+    if end != len(data):
+        raise FrameError(f"{len(data) - end} bytes follow the frame: truncated or padded")
+    return frame
+
+
+def decode_all(data: bytes) -> list[Frame]:
+    """Parse a message of one or more frames back to back (a batch).
+
+    A bad frame ends the parse: without a trustworthy length there is no
+    telling where the next one starts. The frames before it are returned
+    with the error, so one corrupt row does not cost the batch.
+    """
+    result: list[Frame] = []
+    offset = 0
+    while offset < len(data) or not result:
+        try:
+            frame, offset = _decode_at(data, offset)
+        except FrameError as exc:
+            raise BatchError(result, exc) from None
+        result.append(frame)
+    return result
+
+
+class BatchError(FrameError):
+    """A message whose frame number len(good) is bad; `good` holds the ones before it."""
+
+    def __init__(self, good: list[Frame], cause: FrameError) -> None:
+        where = f"frame {len(good) + 1} of the message: " if good else ""
+        super().__init__(f"{where}{cause}")
+        self.good = good
+
+
+def _decode_at(data: bytes, offset: int) -> tuple[Frame, int]:
+    if len(data) - offset < HEADER_SIZE:
+        raise FrameError(f"frame of {len(data) - offset} bytes is shorter than the "
                          f"{HEADER_SIZE}-byte header")
     (magic, version, kind, code, flags, request, epoch, step, start, count, candidates, ndim, _,
-     d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data)
+     d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data, offset)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}: not an edgebus activation frame")
     if version != VERSION:
@@ -181,11 +219,13 @@ def decode(data: bytes) -> Frame:
         raise FrameError(f"unknown frame kind {kind} or dtype {code}")
     if not 1 <= ndim <= 3:
         raise FrameError(f"frame ndim {ndim} outside 1..3")
-    if wire_len != len(data) - HEADER_SIZE:
+    end = offset + HEADER_SIZE + wire_len
+    if end > len(data):
         raise FrameError(f"frame says {wire_len} payload bytes but carries "
-                         f"{len(data) - HEADER_SIZE}: truncated or padded")
-    wire = memoryview(data)[HEADER_SIZE:]
-    if zlib.crc32(wire, zlib.crc32(data[:_CRC_SPAN])) != crc:
+                         f"{len(data) - offset - HEADER_SIZE}: truncated")
+    view = memoryview(data)
+    wire = view[offset + HEADER_SIZE:end]
+    if zlib.crc32(wire, zlib.crc32(view[offset:offset + _CRC_SPAN])) != crc:
         raise FrameError("frame checksum mismatch: corrupted in transit")
     shape = (d0, d1, d2)[:ndim]
     raw_len = math.prod(shape) * _ITEM_SIZE[DType(code)]
@@ -199,5 +239,6 @@ def decode(data: bytes) -> Frame:
             raise FrameError(f"LZ4 payload does not decompress: {exc}") from None
     if len(payload) != raw_len:
         raise FrameError(f"payload holds {len(payload)} bytes, shape {shape} needs {raw_len}")
-    return Frame(Kind(kind), DType(code), request, epoch, step, start, count, candidates, shape,
-                 payload, bool(flags & FLAG_LZ4), len(data))
+    frame = Frame(Kind(kind), DType(code), request, epoch, step, start, count, candidates, shape,
+                  payload, bool(flags & FLAG_LZ4), end - offset)
+    return frame, end

@@ -119,6 +119,8 @@ class AgentStatus(BaseModel):
     host: str
     version: str
     ts: float = Field(default_factory=time.time)
+    # Counters an operator can chart in MQTT Explorer, e.g. compute_s, rows, in_flight.
+    metrics: dict[str, float] = Field(default_factory=dict)
 
 
 class Event(BaseModel):

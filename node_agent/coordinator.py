@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from edgebus import frames
 from edgebus.client import BusClient
-from edgebus.errors import FrameError, RequestError
+from edgebus.errors import RequestError
 from edgebus.frames import Frame, Kind
 from edgebus.messages import (
     AgentStatus,
@@ -87,11 +87,14 @@ class Coordinator:
         self._ready = asyncio.Event()
         self._active: dict[int, Generation] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._outbox: list[bytes] = []  # frames for stage 0, sent together per loop turn
+        self.counters = {"tokens": 0.0, "requests_done": 0.0}
         self.bus = BusClient(
             plant.broker.endpoint(), f"{plant.plant_id}.{self.spec.id}",
             subscriptions=[(self.topics.request_filter, 1), (self.topics.status_filter, 1),
                            (self.topics.activations(self.spec.id), 1)],
-            presence=presence(self.topics, self.spec.id, "coordinator"))
+            presence=presence(self.topics, self.spec.id, "coordinator", metrics=lambda: {
+                **self.counters, "in_flight": float(len(self._active))}))
 
     async def serve(self, stop: asyncio.Event) -> None:
         try:
@@ -114,16 +117,17 @@ class Coordinator:
 
     def _on_result(self, payload: bytes) -> None:
         try:
-            frame = frames.decode(payload)
-        except FrameError as exc:
+            results = frames.decode_all(payload)
+        except frames.BatchError as exc:
+            results = exc.good
             self._spawn(self._event("error", f"dropped a result frame: {exc}"))
-            return
-        gen = self._active.get(frame.request)
-        # Unknown or stale results (a request that timed out, a duplicate) are dropped.
-        if (gen is None or frame.kind != Kind.CANDIDATES or frame.step != gen.step
-                or gen.result is None or gen.result.done()):
-            return
-        gen.result.set_result(frame)
+        for frame in results:
+            gen = self._active.get(frame.request)
+            # Unknown or stale results (a request that timed out, a duplicate) are dropped.
+            if (gen is None or frame.kind != Kind.CANDIDATES or frame.step != gen.step
+                    or gen.result is None or gen.result.done()):
+                continue
+            gen.result.set_result(frame)
 
     def _on_status(self, payload: bytes) -> None:
         try:
@@ -196,7 +200,7 @@ class Coordinator:
         ttft: float | None = None
         finish: str = "length"
         try:
-            feed, start = torch.tensor([ids]), 0  # prefill: the whole prompt at position 0
+            feed, start = ids, 0  # prefill: the whole prompt, from position 0
             while True:
                 result = await self._step(gen, feed, start=start, candidates=k)
                 cand_ids, cand_logits = result.candidates_arrays()
@@ -216,10 +220,12 @@ class Coordinator:
                     break
                 if len(tokens) >= request.max_tokens:
                     break
-                feed, start = torch.tensor([[token]]), len(ids) + len(tokens) - 1
+                feed, start = [token], len(ids) + len(tokens) - 1
                 gen.step += 1
         finally:
             del self._active[gen.seq]
+            self.counters["tokens"] += len(tokens)
+            self.counters["requests_done"] += 1
             self._spawn(self._release(gen))
         if text is not None:
             rest = text.flush()
@@ -234,13 +240,20 @@ class Coordinator:
             usage=Usage(prompt_tokens=len(ids), completion_tokens=len(tokens)),
             timings=Timings(ttft_ms=None if ttft is None else ttft * 1e3, total_ms=total * 1e3))
 
-    async def _step(self, gen: Generation, feed: torch.Tensor, *, start: int,
+    async def _step(self, gen: Generation, feed: list[int], *, start: int,
                     candidates: int) -> Frame:
-        """Send one TOKENS frame into the pipeline and wait for its candidates."""
+        """Feed ids at positions start.. into the pipeline and wait for the next candidates.
+
+        A prompt goes in chunks of `prefill_chunk`; only the last asks for
+        candidates, and all leave at once so the stages work on them back to back.
+        """
         gen.result = asyncio.get_running_loop().create_future()
-        data = frames.encode(Kind.TOKENS, feed, request=gen.seq, epoch=0, step=gen.step,
-                             start=start, candidates=candidates)
-        await self.bus.publish(self.first_topic, data, qos=1)
+        chunk = self.spec.prefill_chunk
+        for offset in range(0, len(feed), chunk):
+            last = offset + chunk >= len(feed)
+            self._send(frames.encode(Kind.TOKENS, torch.tensor([feed[offset:offset + chunk]]),
+                                     request=gen.seq, epoch=0, step=gen.step,
+                                     start=start + offset, candidates=candidates if last else 0))
         try:
             return await asyncio.wait_for(gen.result, self.spec.request_timeout_s)
         except TimeoutError:
@@ -248,6 +261,18 @@ class Coordinator:
             why = f"stages offline: {', '.join(missing)}" if missing else "no stage answered"
             raise RequestError("timeout", f"step {gen.step} got no result within "
                                f"{self.spec.request_timeout_s:.0f} s ({why})") from None
+
+    def _send(self, frame: bytes) -> None:
+        """Queue a frame for stage 0. Frames queued in one event-loop turn leave as one
+        message: when a batch of results arrives, every request's next token does."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(frame)
+
+    def _flush(self) -> None:
+        message = b"".join(self._outbox)
+        self._outbox.clear()
+        self._spawn(self.bus.publish(self.first_topic, message, qos=1))
 
     async def _wait_ready(self) -> None:
         try:

@@ -24,14 +24,21 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     VERSION = "0+unknown"
 
 
+# How often an agent refreshes its retained status (heartbeat timestamp and
+# metrics): often enough for a live chart, rare enough to cost nothing.
+STATUS_INTERVAL_S = 2.0
+
+
 def presence(topics: Topics, agent_id: str, role: Literal["stage", "coordinator"], *,
-             stage: int | None = None, layers: tuple[int, int] | None = None) -> Presence:
+             stage: int | None = None, layers: tuple[int, int] | None = None,
+             metrics: Callable[[], dict[str, float]] | None = None) -> Presence:
     """Birth/death payloads for `{root}/status/{agent_id}`."""
 
     def payload(state: Literal["online", "offline"]) -> bytes:
         return AgentStatus(state=state, role=role, agent_id=agent_id, stage=stage,
                            layers=list(layers) if layers else None, pid=os.getpid(),
-                           host=socket.gethostname(), version=VERSION
+                           host=socket.gethostname(), version=VERSION,
+                           metrics=metrics() if metrics else {}
                            ).model_dump_json().encode()
 
     return Presence(topics.status(agent_id), lambda: payload("online"),
@@ -40,8 +47,8 @@ def presence(topics: Topics, agent_id: str, role: Literal["stage", "coordinator"
 
 async def publish_event(bus: BusClient, topics: Topics, event: Event) -> None:
     """Best effort: an event that cannot be published is logged, never raised."""
-    log.log(logging.ERROR if event.kind == "error" else logging.INFO, "%s: %s",
-            event.kind, event.message)
+    log.log(logging.ERROR if event.kind == "error" else logging.INFO, "%s %s: %s",
+            event.agent_id, event.kind, event.message)
     with contextlib.suppress(Exception):
         await bus.publish(topics.events, event.model_dump_json(), qos=0)
 
@@ -61,12 +68,20 @@ def run_agent(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     asyncio.run(wrapper())
 
 
+async def heartbeat(bus: BusClient) -> None:
+    """Refresh the retained status every STATUS_INTERVAL_S while connected."""
+    while True:
+        await asyncio.sleep(STATUS_INTERVAL_S)
+        await bus.refresh_presence()
+
+
 async def serve_until(stop: asyncio.Event, bus: BusClient,
                       handler: Callable[..., None], *workers: Awaitable[None]) -> None:
-    """Run the bus loop and `workers` until `stop` is set, then leave cleanly."""
+    """Run the bus loop, the heartbeat and `workers` until `stop` is set, then leave cleanly."""
     if stop.is_set():  # stopped while loading: never connect, so nothing is left half-open
         return
-    tasks = [asyncio.create_task(bus.run(handler)), *map(asyncio.ensure_future, workers)]
+    tasks = [asyncio.create_task(bus.run(handler)), asyncio.create_task(heartbeat(bus)),
+             *map(asyncio.ensure_future, workers)]
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
     await bus.announce_offline()

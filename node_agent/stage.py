@@ -1,19 +1,27 @@
 """The stage agent: one box, one contiguous range of layers.
 
-    {root}/act/{node}  --frame-->  [inbox] --> forward (worker thread) --> next stage's topic
-                                                                     \\-> coordinator (last stage)
+    {root}/act/{node} --message of frames--> [inbox] --> scheduler --> next stage's topic
+                                                                   \\-> coordinator (last stage)
 
-Frames are decoded and checked in the event loop (cheap), queued, and run one
-at a time on a single worker thread, so the event loop keeps receiving and
-publishing while the CPU computes. A frame that is garbage, out of order, or
-names an unknown request is dropped with an event on `{root}/events`; it never
-takes the agent or another request's state down with it.
+Continuous batching: whenever the worker is free it takes every decode frame
+waiting, from whatever requests, and runs them as one batched forward pass
+(`StageModel.decode`), then publishes all their outputs as one message. Prompt
+chunks run one per turn between those batches, so a long prompt never holds
+up other requests' tokens for more than one chunk.
+
+Frames are decoded and checked in the event loop (cheap); forward passes run
+on one worker thread, so the loop keeps receiving and publishing while the CPU
+computes. A frame that is garbage, out of order, or names an unknown request
+is dropped with an event on `{root}/events`; it never takes the agent or
+another request's state down with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiomqtt
@@ -33,6 +41,9 @@ from plant_config import Plant
 log = logging.getLogger(__name__)
 
 _WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+# Most decode rows batched into one forward pass. Past ~32 a CPU stage stops
+# gaining (the step turns compute-bound) while each row waits longer.
+MAX_BATCH = 32
 
 
 class StageAgent:
@@ -52,12 +63,19 @@ class StageAgent:
         self.wire_dtype = _WIRE_DTYPES[plant.wire_dtype]
         self.caches: dict[int, KVCache] = {}  # touched only by the worker thread
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue()
+        self._prompts: collections.deque[Frame] = collections.deque()  # prefill chunks waiting
+        self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "kv_bytes": 0.0}
         self.bus = BusClient(
             plant.broker.endpoint(), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
-            presence=presence(topics, node_id, "stage", stage=self.index, layers=spec.layers))
+            presence=presence(topics, node_id, "stage", stage=self.index, layers=spec.layers,
+                              metrics=self._metrics))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{node_id}")
         self._background: set[asyncio.Task[None]] = set()
+
+    def _metrics(self) -> dict[str, float]:
+        return {**self.metrics, "queue": float(self.inbox.qsize() + len(self._prompts)),
+                "requests": float(len(self.caches))}
 
     async def serve(self, stop: asyncio.Event) -> None:
         try:
@@ -66,57 +84,104 @@ class StageAgent:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _on_message(self, message: aiomqtt.Message) -> None:
+        payload = message.payload if isinstance(message.payload, bytes) else b""
         try:
-            frame = frames.decode(message.payload)
-        except (FrameError, TypeError) as exc:
+            batch = frames.decode_all(payload)
+        except frames.BatchError as exc:
+            batch = exc.good
             self._report(f"dropped a frame on {message.topic}: {exc}")
-            return
-        self.inbox.put_nowait(frame)
+        for frame in batch:
+            self.inbox.put_nowait(frame)
+
+    # -- scheduling (event loop) -----------------------------------------------
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            frame = await self.inbox.get()
-            try:
-                out = await loop.run_in_executor(self._executor, self._step, frame)
-            except FrameError as exc:
-                self._report(f"dropped frame of request {frame.request:x} step {frame.step}: "
-                             f"{exc}")
-                continue
-            if out is not None:
-                await self.bus.publish(self.next_topic, out, qos=1)
+            # With prompt chunks pending there is work now; else sleep until a frame comes.
+            arrived = [] if self._prompts else [await self.inbox.get()]
+            decodes: list[Frame] = []
+            while arrived or (not self.inbox.empty() and len(decodes) < MAX_BATCH):
+                frame = arrived.pop() if arrived else self.inbox.get_nowait()
+                if frame.kind == Kind.RELEASE:
+                    await loop.run_in_executor(self._executor, self.caches.pop, frame.request,
+                                               None)
+                elif frame.step == 0:
+                    self._prompts.append(frame)
+                else:
+                    decodes.append(frame)
+            if decodes:
+                await self._run(loop, decodes)
+            if self._prompts:
+                await self._run(loop, [self._prompts.popleft()])
 
-    def _step(self, frame: Frame) -> bytes | None:
-        """Run one frame through this stage's layers (worker thread)."""
-        if frame.kind == Kind.RELEASE:
-            self.caches.pop(frame.request, None)
-            return None
-        x = self._check_input(frame)
-        if frame.step == 0:
-            cache = self.caches[frame.request] = KVCache()
-        elif (found := self.caches.get(frame.request)) is not None:
-            cache = found
-        else:
-            raise FrameError("unknown request (never prefilled here, or already released)")
-        if cache.get_seq_length() != frame.start:
-            raise FrameError(f"frame starts at position {frame.start} but the cache holds "
-                             f"{cache.get_seq_length()}: duplicate or out of order")
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[Frame]) -> None:
+        out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
+        for error in errors:
+            self._report(error)
+        if out:
+            await self.bus.publish(self.next_topic, out, qos=1)
+
+    # -- compute (worker thread) -------------------------------------------------
+
+    def _forward(self, batch: list[Frame]) -> tuple[bytes, list[str]]:
+        """Run a prefill chunk or a batch of decode rows; return the outgoing message."""
+        errors: list[str] = []
+        rows: list[tuple[Frame, torch.Tensor, KVCache]] = []
+        for frame in batch:
+            try:
+                if any(frame.request == row[0].request for row in rows):
+                    raise FrameError("second frame for this request in one batch: duplicate")
+                rows.append((frame, self._check_input(frame), self._cache_for(frame)))
+            except FrameError as exc:
+                errors.append(f"dropped frame of request {frame.request:x} step {frame.step}: "
+                              f"{exc}")
+        if not rows:
+            return b"", errors
+        started = time.perf_counter()
         try:
-            if frame.step == 0:
+            if rows[0][0].step == 0:
+                (frame, x, cache), = rows
                 out = self.model.prefill(x, cache, frame.start)
             else:
-                out = self.model.decode(x, cache, frame.start)
+                out = self.model.decode(torch.cat([x for _, x, _ in rows]),
+                                        [cache for _, _, cache in rows],
+                                        [frame.start for frame, _, _ in rows])
         except Exception as exc:
-            # A half-updated cache would poison every later step of this request.
-            self.caches.pop(frame.request, None)
-            raise FrameError(f"forward failed ({type(exc).__name__}: {exc})") from exc
+            # A half-updated cache would poison every later step of these requests.
+            for frame, _, _ in rows:
+                self.caches.pop(frame.request, None)
+            return b"", [*errors, f"forward failed ({type(exc).__name__}: {exc}); dropped "
+                                  f"{len(rows)} request(s)"]
+        self.metrics["compute_s"] += time.perf_counter() - started
+        self.metrics["steps"] += 1
+        self.metrics["rows"] += len(rows)
+        self.metrics["kv_bytes"] = float(sum(c.nbytes for c in self.caches.values()))
+        return b"".join(self._encode(frame, out[i:i + 1])
+                        for i, (frame, _, _) in enumerate(rows)), errors
+
+    def _cache_for(self, frame: Frame) -> KVCache:
+        if frame.start == 0:
+            cache = self.caches[frame.request] = KVCache()
+            return cache
+        cache_or_none = self.caches.get(frame.request)
+        if cache_or_none is None:
+            raise FrameError("unknown request (never prefilled here, or already released)")
+        if cache_or_none.get_seq_length() != frame.start:
+            raise FrameError(f"frame starts at position {frame.start} but the cache holds "
+                             f"{cache_or_none.get_seq_length()}: duplicate or out of order")
+        return cache_or_none
+
+    def _encode(self, frame: Frame, out: torch.Tensor) -> bytes:
         header = dict(request=frame.request, epoch=frame.epoch, step=frame.step,
                       start=frame.start)
-        if self.model.lm_head is not None:
-            ids, logits = top_candidates(out, frame.candidates)
-            return frames.encode_candidates(ids, logits, **header)
-        return frames.encode(Kind.HIDDEN, out.to(self.wire_dtype), candidates=frame.candidates,
-                             **header)
+        if self.model.lm_head is None:
+            return frames.encode(Kind.HIDDEN, out.to(self.wire_dtype),
+                                 candidates=frame.candidates, **header)
+        if frame.candidates == 0:  # a prompt chunk before the last: nothing to sample yet
+            return b""
+        ids, logits = top_candidates(out, frame.candidates)
+        return frames.encode_candidates(ids, logits, **header)
 
     def _check_input(self, frame: Frame) -> torch.Tensor:
         """The frame's tensor, or FrameError if it cannot be this stage's input."""
@@ -127,7 +192,8 @@ class StageAgent:
                              f"{frame.kind.name}")
         if frame.count < 1 or (frame.step > 0 and frame.count != 1):
             raise FrameError(f"step {frame.step} carries {frame.count} positions")
-        if not 1 <= frame.candidates <= self.model.config.vocab_size:
+        if frame.candidates > self.model.config.vocab_size or (
+                frame.step > 0 and frame.candidates == 0):
             raise FrameError(f"asks for {frame.candidates} candidates")
         x = frame.tensor()
         if first:

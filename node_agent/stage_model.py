@@ -10,8 +10,8 @@ around them (`LlamaModel.forward` and friends), which is what a pipeline stage
 must own: it starts from token ids or from hidden states, and hands its KV
 cache to the layers itself.
 
-Shapes: B = 1 request, T = token positions in this call, H = hidden size,
-V = vocabulary size.
+Shapes: B = requests in a batched decode step, T = token positions in this
+call, H = hidden size, V = vocabulary size.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from edgebus.errors import CheckpointError
 from node_agent.checkpoint import load_tensors, tensor_locations
 from node_agent.kv_cache import KVCache
+from node_agent.ragged import ATTENTION_NAME, BatchKV
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class StageModel(nn.Module):
         self.dtype = dtype
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-                config, attn_implementation="sdpa", dtype=dtype)
+                config, attn_implementation=ATTENTION_NAME, dtype=dtype)
         decoder = skeleton.get_decoder()
         prefix = _module_path(skeleton, decoder)
         head = skeleton.get_output_embeddings()
@@ -124,25 +125,33 @@ class StageModel(nn.Module):
         # SDPA's is_causal aligns the triangle top-left, which is only right when
         # nothing is cached yet; with history the mask must be spelled out.
         mask = None if start == 0 or t == 1 else _causal_mask(start, t)
-        return self._run(x, cache, start, mask)
+        return self._run(x, cache, torch.arange(start, start + t).unsqueeze(0), mask)
 
     @torch.inference_mode()
-    def decode(self, x: torch.Tensor, cache: KVCache, position: int) -> torch.Tensor:
-        """Run the single new position `position`: x is [1, 1] ids or [1, 1, H]."""
-        return self._run(x, cache, position, None)
+    def decode(self, x: torch.Tensor, caches: list[KVCache], positions: list[int]
+               ) -> torch.Tensor:
+        """One new position for each of B requests, batched.
 
-    def _run(self, x: torch.Tensor, cache: KVCache, start: int,
-             mask: torch.Tensor | None) -> torch.Tensor:
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)  # [1,T,H]
-        positions = torch.arange(start, start + h.shape[1]).unsqueeze(0)                # [1,T]
+        x: [B, 1] ids or [B, 1, H]; request i is at `positions[i]` with history
+        `caches[i]`. Returns [B, 1, H] hidden states, or [B, V] logits.
+        """
+        pos = torch.tensor(positions).unsqueeze(1)                                     # [B,1]
+        if len(caches) == 1:  # the exact call an unbatched generate() step makes
+            return self._run(x, caches[0], pos, None)
+        batch = BatchKV(caches)
+        return self._run(x, batch, pos, None, batch_kv=batch)
+
+    def _run(self, x: torch.Tensor, cache: KVCache | BatchKV, positions: torch.Tensor,
+             mask: torch.Tensor | None, **attention_kwargs: object) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)  # [B,T,H]
         rope = self.rotary_emb(h, positions)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=positions, cache=cache,
-                      use_cache=True, position_embeddings=rope)
+                      use_cache=True, position_embeddings=rope, **attention_kwargs)
         if self.lm_head is None:
             return h
         assert self.norm is not None
-        logits: torch.Tensor = self.lm_head(self.norm(h[:, -1:]))[:, -1]               # [1,V]
+        logits: torch.Tensor = self.lm_head(self.norm(h[:, -1:]))[:, -1]               # [B,V]
         return logits.float()
 
 

@@ -209,6 +209,11 @@ class CoordinatorSpec(_Section):
     max_in_flight: PositiveInt = 64  # admission limit
     candidates: PositiveInt = 64  # top-k (id, logit) pairs the last stage returns per token
     request_timeout_s: PositiveFloat = 120.0
+    # Prompt positions per prefill frame. Other requests' decode steps wait
+    # for at most one chunk's compute; stages work on successive chunks at the
+    # same time, which cuts time to first token; and frames stay far under a
+    # broker's packet limit (128 x 4096 fp16 = 1 MiB).
+    prefill_chunk: PositiveInt = 128
 
     @field_validator("id")
     @classmethod

@@ -53,8 +53,8 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 @asynccontextmanager
-async def running(plant: Plant) -> AsyncIterator[Coordinator]:
-    """Start every agent of `plant` as a task; yield once the pipeline is ready."""
+async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
+    """Start every agent of `plant` as a task; yield the stages once the pipeline is ready."""
     stop = asyncio.Event()
     stages = [StageAgent(plant, s.node, model=stage_model(plant.model, *s.layers))
               for s in plant.stages]
@@ -62,7 +62,7 @@ async def running(plant: Plant) -> AsyncIterator[Coordinator]:
     tasks = [asyncio.create_task(agent.serve(stop)) for agent in [*stages, coordinator]]
     try:
         await asyncio.wait_for(coordinator._ready.wait(), READY_TIMEOUT_S)
-        yield coordinator
+        yield stages
     finally:
         stop.set()
         await asyncio.gather(*tasks)

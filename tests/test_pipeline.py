@@ -7,6 +7,7 @@ process, for any split, with several requests in flight at once.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from brokers import BrokerHandle
 from pipeline import ask_all, plant_for, prompt_ids, reference_tokens, running
 from tiny_models import build_tiny
 
-from edgebus.messages import ChatMessage, GenerateRequest
+from edgebus.ask import ask
+from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
+from plant_config import Plant
 
 # A maintenance log long enough to be a >= 300-token prompt.
 LONG_PROMPT = " ".join(
@@ -68,6 +71,47 @@ async def _check_token_exact(model_dir: Path, broker: BrokerHandle,
         assert response.error is None, response.error
         assert response.tokens == reference_tokens(model_dir, request), request.id
         assert response.usage.completion_tokens == len(response.tokens)
+
+
+@pytest.mark.slow
+async def test_concurrent_requests_are_batched_and_stay_exact(
+        smollm2_dir: Path, mosquitto_broker: BrokerHandle) -> None:
+    """Eight requests arriving at different moments share decode steps, and each
+    still gets exactly the tokens generate() gives it alone."""
+    topics = ["a PLC", "a servo drive", "an HMI", "a safety relay", "a VFD", "a SCADA system",
+              "an encoder", "a proximity sensor"]
+    reqs = [GenerateRequest(id=f"q{i}", max_tokens=MAX_TOKENS,
+                            messages=[ChatMessage(role="user", content=f"What is {t}?")])
+            for i, t in enumerate(topics)]
+    plant = plant_for(smollm2_dir, mosquitto_broker, SMOLLM2_SPLITS["3-stages"])
+    async with running(plant) as stages:
+        responses = await asyncio.gather(*(_ask_later(plant, r, delay=0.05 * i)
+                                           for i, r in enumerate(reqs)))
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.tokens == reference_tokens(smollm2_dir, request), request.id
+    for stage in stages:  # more rows than forward passes: rows were batched
+        assert stage.metrics["rows"] > 1.5 * stage.metrics["steps"], stage.metrics
+
+
+async def _ask_later(plant: Plant, request: GenerateRequest, delay: float) -> GenerateResponse:
+    await asyncio.sleep(delay)
+    return await ask(plant, request, client_id=f"gw-{request.id}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [16, 100])
+async def test_chunked_prefill_stays_exact(smollm2_dir: Path, amqtt_broker: BrokerHandle,
+                                           chunk: int) -> None:
+    """A long prompt in chunks (uneven last chunk included) gives generate()'s tokens."""
+    reqs = requests()
+    plant = plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["uneven-3-20-7"],
+                      prefill_chunk=chunk)
+    async with running(plant) as stages:
+        responses = await ask_all(plant, reqs)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.tokens == reference_tokens(smollm2_dir, request), request.id
+    prompt_positions = sum(len(prompt_ids(smollm2_dir, r)) for r in reqs)
+    assert stages[0].metrics["steps"] >= prompt_positions // chunk  # it really was chunked
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
