@@ -95,6 +95,17 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(args.prompt)
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from edgebus.bench.results import DEFAULT_TOKENS, QUICK_TOKENS, BenchSettings
+    from edgebus.bench.runner import run_bench
+
+    tokens = args.tokens if args.tokens is not None else (
+        QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
+    brokers = tuple(name.strip() for name in args.brokers.split(",") if name.strip())
+    run_bench(BenchSettings(out=Path(args.out), quick=args.quick, brokers=brokers,
+                            tokens=tokens))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgebus", description="Pipeline-parallel LLM inference for edge boxes, over MQTT.")
@@ -150,6 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="import the bundled model, start a 3-stage plant, ask")
     p.add_argument("--prompt", default="What does a PLC do in a factory? Answer in two sentences.")
     p.set_defaults(run=_demo)
+
+    p = sub.add_parser("bench", help="measure the pipeline against one-process baselines")
+    p.add_argument("--out", default="docs/benchmarks.md",
+                   help="markdown report to write; the plot goes beside it as .png")
+    p.add_argument("--quick", action="store_true",
+                   help="16 tokens, concurrency 1 and 4, no pinned-stage phase (~2 min)")
+    p.add_argument("--brokers", default="amqtt,mosquitto",
+                   help="comma-separated: amqtt (embedded) and/or mosquitto")
+    p.add_argument("--tokens", type=int,
+                   help="tokens generated per request (default 64, 16 with --quick)")
+    p.set_defaults(run=_bench)
     return parser
 
 

@@ -78,6 +78,7 @@ class _Child:
     role: Role
     argv: list[str]
     log_path: Path | None
+    cpus: list[int] | None = None
     proc: subprocess.Popen[bytes] | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     readers: list[threading.Thread] = field(default_factory=list)
@@ -88,9 +89,11 @@ class PlantProcesses:
 
     `log_dir=None`: children write to this process's stdout/stderr, each line
     prefixed with "[name] "; otherwise each child writes `log_dir/<name>.log`.
+    `cpus` pins agents (by name, "broker" included) to CPU lists (Linux only).
     """
 
-    def __init__(self, plant_path: Path, *, log_dir: Path | None = None) -> None:
+    def __init__(self, plant_path: Path, *, log_dir: Path | None = None,
+                 cpus: dict[str, list[int]] | None = None) -> None:
         # Loading checks the file and the model directory before anything starts.
         self.plant: Plant = load_plant(plant_path)
         self.plant_path = plant_path
@@ -115,6 +118,13 @@ class PlantProcesses:
                      for stage in plant.stages]
         children.append(self._child(plant.coordinator.id, "coordinator",
                                     [*command, "coordinator", str(plant_path)]))
+        cpus = cpus or {}
+        unknown = set(cpus) - {c.name for c in children}
+        if unknown:
+            raise EdgebusError(f"cannot pin {', '.join(sorted(unknown))}: not an agent of "
+                               f"{plant_path}")
+        for child in children:
+            child.cpus = cpus.get(child.name)
         self._children = children
         self._stopped = False
 
@@ -266,7 +276,7 @@ class PlantProcesses:
                 out, err = files.enter_context(child.log_path.open("ab")), subprocess.STDOUT
             child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=out,
                                           stderr=err, env=env, start_new_session=True,
-                                          preexec_fn=_die_with_parent())
+                                          preexec_fn=_child_setup(child.cpus))
         if child.log_path is not None:
             return
         assert child.proc.stdout is not None and child.proc.stderr is not None
@@ -367,9 +377,14 @@ def _forward(stream: IO[bytes], sink: TextIO, child: _Child) -> None:
                 sink.flush()
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that has the kernel SIGTERM the child when its parent dies (Linux only)."""
+def _child_setup(cpus: list[int] | None) -> Callable[[], None] | None:
+    """A preexec_fn: the kernel SIGTERMs the child when its parent dies; pin it to `cpus`.
+
+    Linux only; elsewhere nothing is set up, and pinning is refused.
+    """
     if not sys.platform.startswith("linux"):
+        if cpus is not None:
+            raise EdgebusError("pinning agents to CPUs needs Linux (sched_setaffinity)")
         return None
     # Looked up here, in the parent: the child between fork and exec should do
     # as little as possible.
@@ -380,6 +395,11 @@ def _die_with_parent() -> Callable[[], None] | None:
         # Between fork and exec, while output threads may hold locks in the
         # parent: only plain system calls here, nothing that takes a lock.
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        # Pinned before exec, so every thread the agent ever starts (torch's
+        # OpenMP pool included) inherits it: a bench can then give each stage
+        # a core of its own, as each would have its own box.
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
         # If the parent died before prctl, nobody will ever signal this child.
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGTERM)

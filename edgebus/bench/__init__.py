@@ -1,0 +1,10 @@
+"""`edgebus bench`: the pipeline measured against one-process baselines on the same machine.
+
+- `metrics`: the arithmetic (percentiles, rates, bytes per token, per-hop overhead), pure.
+- `workload`: the fixed prompts and requests every phase sends.
+- `baseline`: transformers and llama.cpp in this process, and memory references.
+- `gateway`: the MQTT side: a timestamping gateway, a frame sniffer, a broker ping-pong.
+- `runner`: the phases, each plant started as real processes, and the command itself.
+- `results`: what a run measured, as plain data.
+- `report`: the targets, `docs/benchmarks.md` and its plot.
+"""

@@ -1,0 +1,174 @@
+"""The references the pipeline is measured against: the model in one process, and memory.
+
+Baseline A is what a plant would run if one box could hold the model:
+`transformers` `generate` on the same fp32 checkpoint with every core. The
+llama.cpp number is a stretch reference on the bundled Q4_1 GGUF (a quarter
+of the bytes per weight, so not the same arithmetic). The memory references
+say how much of a stage's peak RSS is its share of the weights.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
+
+from edgebus.bench.metrics import (
+    StreamStats,
+    Trace,
+    proc_status_bytes,
+    stream_stats,
+    time_to_first_token,
+)
+from edgebus.bench.results import TransformersBaseline
+from edgebus.bench.workload import chat_request, long_request
+from edgebus.errors import EdgebusError
+from node_agent.checkpoint import tensor_locations
+from node_agent.text import prompt_ids
+
+# Untimed runs first: the first generate pays for allocator growth and for
+# oneDNN picking its kernels for each new shape.
+WARMUP_RUNS = 1
+# Static batches for reference: what one process gets when requests arrive together.
+STATIC_BATCHES = (8, 16)
+# Room for the chat prompt plus the longest --tokens anyone runs.
+LLAMA_CPP_CONTEXT = 2048
+# What a stage agent imports before it builds its model: the RSS every agent
+# pays whatever its share of the weights.
+_IDLE_AGENT_CODE = ("import torch, transformers, node_agent.stage; "
+                    "print(open('/proc/self/status').read())")
+# Bytes per element of the safetensors dtypes a checkpoint may hold.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class _TokenTimes(BaseStreamer):
+    """Records when `generate` hands over each new token; its first `put` is the prompt."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        """Nothing to flush: only times are kept."""
+
+
+def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, *, tokens: int,
+                     runs: int, long_prompt: str, threads: int) -> TransformersBaseline:
+    """Baseline A: single stream, static batches, and the long prompt's time to first token."""
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()  # type: ignore[no-untyped-call]
+    try:
+        chat = torch.tensor([prompt_ids(tokenizer, chat_request("baseline", tokens))])
+        long = torch.tensor([prompt_ids(tokenizer, long_request("baseline", long_prompt))])
+        for _ in range(WARMUP_RUNS):
+            _generate(model, chat, tokens)
+            _generate(model, long, 1)
+        single = stream_stats([_generate(model, chat, tokens) for _ in range(runs)])
+        batch = {size: _batch_rate(model, chat, size, tokens) for size in STATIC_BATCHES}
+        long_ttft = statistics.median(time_to_first_token(_generate(model, long, 1))
+                                      for _ in range(runs))
+    finally:
+        del model
+        gc.collect()  # the agents measured next should not share the box with 0.5 GB of garbage
+    return TransformersBaseline(single=single, batch_tok_s=batch, long_ttft_s=long_ttft)
+
+
+def _generate(model: PreTrainedModel, ids: torch.Tensor, tokens: int) -> Trace:
+    times = _TokenTimes()
+    sent = time.perf_counter()
+    out = _greedy(model, ids, tokens, streamer=times)
+    done = time.perf_counter()
+    return Trace(sent=sent, arrivals=list(enumerate(times.times)), done=done,
+                 tokens=out.shape[1] - ids.shape[1])
+
+
+def _batch_rate(model: PreTrainedModel, chat: torch.Tensor, size: int, tokens: int) -> float:
+    batch = chat.repeat(size, 1)  # the same prompt in every row: no padding to account for
+    sent = time.perf_counter()
+    out = _greedy(model, batch, tokens)
+    return size * (out.shape[1] - chat.shape[1]) / (time.perf_counter() - sent)
+
+
+def _greedy(model: PreTrainedModel, ids: torch.Tensor, tokens: int,
+            streamer: BaseStreamer | None = None) -> torch.Tensor:
+    # eos_token_id=None: never stop early, as the pipeline's requests ask with ignore_eos.
+    out: torch.Tensor = model.generate(  # type: ignore[operator]
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=model.generation_config.pad_token_id,
+        streamer=streamer)
+    if out.shape[1] - ids.shape[1] != tokens:
+        raise EdgebusError(f"generate made {out.shape[1] - ids.shape[1]} tokens, not {tokens}: "
+                           "the baseline would not do the pipeline's work")
+    return out
+
+
+def run_llama_cpp(gguf: Path, ids: list[int], *, tokens: int, runs: int,
+                  threads: int) -> StreamStats | None:
+    """Single stream on llama.cpp through llama-cpp-python, or None if it is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=LLAMA_CPP_CONTEXT, verbose=False)
+    try:
+        def one() -> Trace:
+            llm.reset()  # type: ignore[no-untyped-call]  # else it reuses the cached prompt
+            times: list[float] = []
+            sent = time.perf_counter()
+            # top_k=1 is greedy; the generator never stops on EOS by itself.
+            for _ in llm.generate(ids, top_k=1, temp=0.0):
+                times.append(time.perf_counter())
+                if len(times) == tokens:
+                    break
+            return Trace(sent=sent, arrivals=list(enumerate(times)), done=times[-1],
+                         tokens=len(times))
+
+        for _ in range(WARMUP_RUNS):
+            one()
+        return stream_stats([one() for _ in range(runs)])
+    finally:
+        llm.close()
+
+
+def rss(pid: int) -> tuple[int, int]:
+    """(peak, current) resident set size of a running process in bytes: VmHWM, VmRSS."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return proc_status_bytes(status, "VmHWM"), proc_status_bytes(status, "VmRSS")
+
+
+def idle_agent_rss() -> int:
+    """Peak RSS of a Python that imports what a stage agent imports and builds nothing."""
+    result = subprocess.run([sys.executable, "-c", _IDLE_AGENT_CODE], capture_output=True,
+                            text=True, check=True)
+    return proc_status_bytes(result.stdout, "VmHWM")
+
+
+def checkpoint_tensor_bytes(model_dir: Path) -> dict[str, int]:
+    """Bytes of every tensor in the checkpoint, from the safetensors headers (no tensor is read)."""
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, path in tensor_locations(model_dir).items():
+        by_file[path].append(name)
+    sizes: dict[str, int] = {}
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                tensor = f.get_slice(name)
+                sizes[name] = math.prod(tensor.get_shape()) * _DTYPE_BYTES[tensor.get_dtype()]
+    return sizes

@@ -1,0 +1,126 @@
+"""What one bench run measured, as plain data: the runner fills it, the report renders it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgebus.bench.metrics import HopLatency, LoadStats, StreamStats
+
+BROKERS = ("amqtt", "mosquitto")
+# Requests per closed-loop client, single-stream runs, and concurrency levels.
+FULL_REQUESTS_EACH, QUICK_REQUESTS_EACH = 2, 1
+FULL_RUNS, QUICK_RUNS = 3, 2
+FULL_CONCURRENCY, QUICK_CONCURRENCY = (1, 4, 8, 16), (1, 4)
+# Concurrency of the "boxes add throughput" phase: enough requests to keep two stages busy.
+BOXES_CONCURRENCY = (4, 8)
+DEFAULT_TOKENS, QUICK_TOKENS = 64, 16
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    out: Path
+    quick: bool
+    brokers: tuple[str, ...]
+    tokens: int  # generated per request, every request
+
+    @property
+    def concurrency(self) -> tuple[int, ...]:
+        return QUICK_CONCURRENCY if self.quick else FULL_CONCURRENCY
+
+    @property
+    def requests_each(self) -> int:
+        return QUICK_REQUESTS_EACH if self.quick else FULL_REQUESTS_EACH
+
+    @property
+    def runs(self) -> int:
+        """Measured runs of each one-request-at-a-time measurement."""
+        return QUICK_RUNS if self.quick else FULL_RUNS
+
+    @property
+    def boxes(self) -> bool:
+        return not self.quick
+
+    def command(self) -> str:
+        """The command line that repeats this run."""
+        default = QUICK_TOKENS if self.quick else DEFAULT_TOKENS
+        parts = ["edgebus", "bench", "--out", str(self.out)]
+        parts += ["--quick"] if self.quick else []
+        parts += [] if self.brokers == BROKERS else ["--brokers", ",".join(self.brokers)]
+        parts += [] if self.tokens == default else ["--tokens", str(self.tokens)]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: str
+    cores: int
+    usable_cores: int
+    memory_gib: float
+    kernel: str
+    python: str
+    torch: str
+    transformers: str
+    mosquitto: str | None
+    llama_cpp: str | None
+    date: str
+    load_average: tuple[float, float, float]  # at the start: other work skews every number
+
+
+@dataclass(frozen=True)
+class TransformersBaseline:
+    single: StreamStats
+    batch_tok_s: dict[int, float]  # batch size -> generated tokens / s
+    long_ttft_s: float             # the long prompt's prefill plus its first token
+
+
+@dataclass(frozen=True)
+class Wire:
+    """Payload bytes one decode token puts on each activation topic ({root}/act/<agent>)."""
+
+    per_topic: dict[str, float]
+
+    @property
+    def per_hop(self) -> float:
+        return sum(self.per_topic.values()) / len(self.per_topic)
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    broker: str
+    single: StreamStats
+    load: list[LoadStats]
+    long_ttft_s: float
+    wire: Wire
+    hop: HopLatency
+    compute_per_step_s: list[float] | None  # per stage; None when stages publish no metrics
+    overhead_per_hop_s: float | None
+    peak_rss: dict[str, int]  # process name -> bytes (VmHWM)
+    end_rss: dict[str, int]   # process name -> bytes at the end of the phase (VmRSS)
+
+    def at(self, concurrency: int) -> LoadStats | None:
+        return next((s for s in self.load if s.concurrency == concurrency), None)
+
+
+@dataclass(frozen=True)
+class BoxesRun:
+    stages: int
+    load: list[LoadStats]
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    settings: BenchSettings
+    machine: Machine
+    model: str
+    chat_prompt_tokens: int
+    long_prompt_tokens: int
+    transformers: TransformersBaseline
+    llama_cpp: StreamStats | None  # None: llama-cpp-python is not installed
+    idle_rss: int
+    stage_layers: list[tuple[int, int]]
+    stage_param_bytes: list[int]
+    pipelines: list[PipelineRun]
+    boxes: list[BoxesRun]  # empty with --quick
+    elapsed_s: float
+    notes: list[str]

@@ -1,0 +1,342 @@
+"""`edgebus bench`: every phase in order, each plant started as real processes, then the report.
+
+Phases: the one-process baselines (transformers, llama.cpp, an idle agent's
+memory), the 3-stage pipeline on each broker, and, without --quick, one
+pinned stage against two pinned stages. Plants run from a temporary
+directory, which keeps their plant files and agent logs for a post-mortem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import transformers
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from broker.mosquitto import LOOPBACK, MosquittoProcess, free_port, mosquitto_version
+from edgebus.bench import baseline
+from edgebus.bench.gateway import Gateway, Sniffer, broker_hop, closed_loop
+from edgebus.bench.metrics import (
+    LoadStats,
+    counter_delta,
+    hop_overhead,
+    load_stats,
+    marginal_rate,
+    param_bytes_by_stage,
+    stream_stats,
+    time_to_first_token,
+)
+from edgebus.bench.report import write_report
+from edgebus.bench.results import (
+    BOXES_CONCURRENCY,
+    BROKERS,
+    BenchResult,
+    BenchSettings,
+    BoxesRun,
+    Machine,
+    PipelineRun,
+    Wire,
+)
+from edgebus.bench.workload import chat_request, long_prompt, long_request, request_id
+from edgebus.errors import EdgebusError
+from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
+from edgebus.messages import GenerateRequest
+from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
+from node_agent.text import prompt_ids
+from plant_config import Plant, make_plant, write_plant
+from plant_config.schema import EMBEDDED
+
+# The pipeline under test: an even 10/10/10 split of SmolLM2's 30 layers.
+PIPELINE_STAGES = 3
+# Untimed requests after a plant comes online: the agents' first forward
+# passes pay for allocator growth and oneDNN kernel selection.
+WARMUP_REQUESTS = 1
+# Seeds the closed-loop clients' start offsets: every run arrives the same way.
+ARRIVAL_SEED = 20240611
+# A request at concurrency 16 shares the pipeline with 15 others; on a slow
+# box that is minutes, and only a stuck plant takes longer.
+REQUEST_TIMEOUT_S = 600.0
+# Agents refresh their retained status every 2 s: a fresh one is due within
+# that, the rest is margin for a loaded box.
+METRICS_WAIT_S = 6.0
+# After a measured request, time for the RELEASE frames (sent after the
+# response) to reach the sniffer.
+SETTLE_S = 0.5
+# The counters a stage's status metrics must carry for the per-hop overhead.
+STAGE_COUNTERS = ("compute_s", "steps")
+_GIB = 1024**3
+
+
+def run_bench(settings: BenchSettings) -> BenchResult:
+    """Run every phase, write the report and the plot, print the report; return the numbers."""
+    started = time.monotonic()
+    _check_settings(settings)
+    # Nothing here may reach for a model hub; the agents inherit this too.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    machine = machine_info()
+    model_dir = ensure_demo_model()
+
+    # A bench's terminal is for its progress bar, not for loading bars and
+    # generation warnings of the baseline.
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = long_prompt(tokenizer)
+    chat_ids = prompt_ids(tokenizer, chat_request("ids", settings.tokens))
+    long_tokens = len(prompt_ids(tokenizer, long_request("ids", prompt)))
+    cores = len(os.sched_getaffinity(0))
+    workdir = Path(tempfile.mkdtemp(prefix="edgebus-bench-"))
+    notes: list[str] = []
+
+    phases = 3 + len(settings.brokers) + (2 if settings.boxes else 0)
+    print(f"edgebus bench: {phases} phases; plant files and agent logs in {workdir}", flush=True)
+    with tqdm(total=phases, unit="phase", file=sys.stdout) as bar:
+        with _phase(bar, "baseline: transformers"):
+            hf = baseline.run_transformers(model_dir, tokenizer, tokens=settings.tokens,
+                                           runs=settings.runs, long_prompt=prompt,
+                                           threads=cores)
+        with _phase(bar, "baseline: llama.cpp"):
+            llama = baseline.run_llama_cpp(bundled_gguf(), chat_ids, tokens=settings.tokens,
+                                           runs=settings.runs, threads=cores)
+        with _phase(bar, "idle agent memory"):
+            idle = baseline.idle_agent_rss()
+        pipelines: list[PipelineRun] = []
+        for broker in settings.brokers:
+            with _phase(bar, f"pipeline: {broker}"):
+                pipelines.append(run_pipeline(broker, model_dir, workdir, settings, prompt,
+                                              notes))
+        boxes: list[BoxesRun] = []
+        if settings.boxes:
+            cpus = sorted(os.sched_getaffinity(0))[:2]
+            for stages in (1, 2):
+                with _phase(bar, f"boxes: {stages} pinned stage(s)"):
+                    boxes.append(run_boxes(stages, cpus, model_dir, workdir, settings))
+
+    layers = [stage.layers for stage in make_plant(model_dir, stages=PIPELINE_STAGES).stages]
+    result = BenchResult(
+        settings=settings, machine=machine, model=DEMO_MODEL_NAME,
+        chat_prompt_tokens=len(chat_ids), long_prompt_tokens=long_tokens, transformers=hf,
+        llama_cpp=llama, idle_rss=idle, stage_layers=layers,
+        stage_param_bytes=param_bytes_by_stage(baseline.checkpoint_tensor_bytes(model_dir),
+                                               layers),
+        pipelines=pipelines, boxes=boxes, elapsed_s=time.monotonic() - started, notes=notes)
+    text, plot = write_report(result)
+    print(text)
+    print(f"wrote {settings.out}" + (f" and {plot}" if plot is not None else
+                                     " (plot skipped: pip install -e \".[bench]\")"))
+    return result
+
+
+@contextlib.contextmanager
+def _phase(bar: tqdm[None], name: str) -> Iterator[None]:
+    bar.set_description(name)
+    yield
+    bar.update()
+
+
+def _check_settings(settings: BenchSettings) -> None:
+    unknown = set(settings.brokers) - set(BROKERS)
+    if unknown or not settings.brokers:
+        raise EdgebusError(f"--brokers {','.join(settings.brokers)}: choose from "
+                           f"{','.join(BROKERS)}")
+    if settings.tokens < 2:
+        raise EdgebusError(f"--tokens {settings.tokens}: at least 2, so there is an "
+                           "inter-token latency to measure")
+    if "mosquitto" in settings.brokers and mosquitto_version() is None:
+        raise EdgebusError("mosquitto is not installed (apt-get install mosquitto): install "
+                           "it or leave it out with --brokers amqtt")
+    if settings.boxes and len(os.sched_getaffinity(0)) < 2:
+        raise EdgebusError("the boxes phase pins two stages to two cores, and this process may "
+                           "use only one: run with --quick")
+
+
+def machine_info() -> Machine:
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown")
+    meminfo = Path("/proc/meminfo").read_text().split()
+    memory_kib = int(meminfo[meminfo.index("MemTotal:") + 1])
+    return Machine(cpu=cpu, cores=os.cpu_count() or 1, usable_cores=len(os.sched_getaffinity(0)),
+                   memory_gib=memory_kib * 1024 / _GIB, kernel=platform.release(),
+                   python=platform.python_version(), torch=version("torch"),
+                   transformers=version("transformers"), mosquitto=mosquitto_version(),
+                   llama_cpp=_version_or_none("llama_cpp_python"),
+                   date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                   load_average=os.getloadavg())
+
+
+def _version_or_none(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _plant(model_dir: Path, plant_id: str, stages: int, *, url: str | None = None,
+           threads: int | None = None) -> Plant:
+    """An even split over `stages` nodes; the embedded broker on a free loopback port."""
+    plant = make_plant(model_dir, stages=stages, broker=url or EMBEDDED, plant_id=plant_id)
+    update: dict[str, object] = {}
+    if plant.broker.embedded:
+        update["broker"] = plant.broker.model_copy(update={"host": LOOPBACK,
+                                                           "port": free_port()})
+    if threads is not None:
+        update["stages"] = [s.model_copy(update={"threads": threads}) for s in plant.stages]
+    return plant.model_copy(update=update)
+
+
+def _start(plant: Plant, workdir: Path, stack: contextlib.ExitStack,
+           cpus: dict[str, list[int]] | None = None) -> PlantProcesses:
+    path = workdir / f"{plant.plant_id}.yaml"
+    write_plant(plant, path)
+    processes = stack.enter_context(PlantProcesses(path, log_dir=workdir / plant.plant_id,
+                                                   cpus=cpus))
+    processes.start()
+    return processes
+
+
+# -- the 3-stage pipeline on one broker -----------------------------------------------
+
+
+def run_pipeline(broker: str, model_dir: Path, workdir: Path, settings: BenchSettings,
+                 prompt: str, notes: list[str]) -> PipelineRun:
+    """Start the plant on `broker` ("amqtt": the embedded one), measure it, stop it."""
+    with contextlib.ExitStack() as stack:
+        url: str | None = None
+        extra_pids: dict[str, int] = {}
+        if broker == "mosquitto":
+            mosquitto = stack.enter_context(MosquittoProcess(workdir / "mosquitto"))
+            url = mosquitto.url
+            if mosquitto.pid is not None:
+                extra_pids["mosquitto"] = mosquitto.pid
+        plant = _plant(model_dir, f"bench-{broker}", PIPELINE_STAGES, url=url)
+        processes = _start(plant, workdir, stack)
+        run = asyncio.run(_measure_pipeline(broker, processes, settings, prompt, extra_pids))
+    if run.compute_per_step_s is None:
+        notes.append(f"{broker}: the stages' status metrics ({', '.join(STAGE_COUNTERS)}) were "
+                     f"missing or not refreshed within {METRICS_WAIT_S:.0f} s, so the pipeline "
+                     "overhead per hop is n/a")
+    return run
+
+
+async def _measure_pipeline(broker: str, processes: PlantProcesses, settings: BenchSettings,
+                            prompt: str, extra_pids: dict[str, int]) -> PipelineRun:
+    await processes.wait_online(READY_TIMEOUT_S)
+    plant = processes.plant
+    hop = await broker_hop(plant)  # before any request: the broker and the agents are idle
+
+    def chat() -> GenerateRequest:
+        return chat_request(request_id("chat"), settings.tokens)
+
+    def long() -> GenerateRequest:
+        return long_request(request_id("long"), prompt)
+
+    async with Gateway(plant) as gateway:
+        for _ in range(WARMUP_REQUESTS):
+            await gateway.generate(chat(), REQUEST_TIMEOUT_S)
+            await gateway.generate(long(), REQUEST_TIMEOUT_S)
+        single = stream_stats([await gateway.generate(chat(), REQUEST_TIMEOUT_S)
+                               for _ in range(settings.runs)])
+        long_ttft = statistics.median([
+            time_to_first_token(await gateway.generate(long(), REQUEST_TIMEOUT_S))
+            for _ in range(settings.runs)])
+        wire, compute = await _wire_and_compute(gateway, settings.tokens)
+        load = [await _load(gateway, chat, concurrency, settings)
+                for concurrency in settings.concurrency]
+        # Read before the stop: the peak includes every KV cache of the highest concurrency.
+        rss = {name: baseline.rss(pid) for name, pid in {**processes.pids, **extra_pids}.items()}
+    hops = len(plant.stages) + 1
+    overhead = None if compute is None else hop_overhead(single.itl_p50_s, compute, hops)
+    return PipelineRun(broker=broker, single=single, load=load, long_ttft_s=long_ttft,
+                       wire=wire, hop=hop, compute_per_step_s=compute,
+                       overhead_per_hop_s=overhead,
+                       peak_rss={name: peak for name, (peak, _) in rss.items()},
+                       end_rss={name: now for name, (_, now) in rss.items()})
+
+
+async def _load(gateway: Gateway, make_request: Callable[[], GenerateRequest], concurrency: int,
+                settings: BenchSettings) -> LoadStats:
+    traces = await closed_loop(gateway, make_request, concurrency=concurrency,
+                               requests_each=settings.requests_each, seed=ARRIVAL_SEED,
+                               timeout=REQUEST_TIMEOUT_S)
+    return load_stats(concurrency, traces)
+
+
+async def _wire_and_compute(gateway: Gateway, tokens: int) -> tuple[Wire, list[float] | None]:
+    """Bytes per decode token per activation topic, and each stage's compute per decode step.
+
+    A 1-token and a `tokens`-token request of the same prompt, one at a time:
+    their difference is `tokens - 1` decode steps, with the prefill and the
+    release frames cancelled out (see `marginal_rate`).
+    """
+    plant = gateway.plant
+    stages = [stage.node for stage in plant.stages]
+    hops = [*stages, plant.coordinator.id]  # each agent's act/ topic is the hop into it
+    async with Sniffer(plant) as sniffer:
+        await asyncio.sleep(SETTLE_S)  # the warm-up's release frames are not this phase's
+        sent = [dict(sniffer.bytes)]
+        marks = [await _stage_metrics(gateway, stages)]
+        for count in (1, tokens):
+            await gateway.generate(chat_request(request_id("wire"), count), REQUEST_TIMEOUT_S)
+            await asyncio.sleep(SETTLE_S)
+            marks.append(await _stage_metrics(gateway, stages))
+            sent.append(dict(sniffer.bytes))
+    wire = Wire({hop: marginal_rate((sent[1].get(hop, 0) - sent[0].get(hop, 0), 1),
+                                    (sent[2].get(hop, 0) - sent[1].get(hop, 0), tokens))
+                 for hop in hops})
+    if any(mark is None for mark in marks):
+        return wire, None
+    compute = []
+    for stage in stages:
+        before, short, long = (mark[stage] for mark in marks if mark is not None)
+        compute.append(marginal_rate(
+            (counter_delta(before, short, "compute_s"), counter_delta(before, short, "steps")),
+            (counter_delta(short, long, "compute_s"), counter_delta(short, long, "steps"))))
+    return wire, compute
+
+
+async def _stage_metrics(gateway: Gateway, stages: list[str]) -> dict[str, dict[str, float]] | None:
+    """Each stage's counters as of now, or None if the stages do not publish them."""
+    published = [gateway.statuses.get(stage) for stage in stages]
+    if any(s is None or not set(STAGE_COUNTERS) <= set(s.metrics) for s in published):
+        return None
+    return await gateway.fresh_metrics(stages, time.time(), METRICS_WAIT_S)
+
+
+# -- boxes add throughput --------------------------------------------------------------
+
+
+def run_boxes(stages: int, cpus: list[int], model_dir: Path, workdir: Path,
+              settings: BenchSettings) -> BoxesRun:
+    """`stages` stages of one thread each, stage i pinned to cpus[i]; broker and coordinator not."""
+    plant = _plant(model_dir, f"bench-boxes-{stages}", stages, threads=1)
+    pins = {stage.node: [cpu] for stage, cpu in zip(plant.stages, cpus, strict=False)}
+    with contextlib.ExitStack() as stack:
+        processes = _start(plant, workdir, stack, cpus=pins)
+        return asyncio.run(_measure_boxes(processes, settings))
+
+
+async def _measure_boxes(processes: PlantProcesses, settings: BenchSettings) -> BoxesRun:
+    await processes.wait_online(READY_TIMEOUT_S)
+
+    def chat() -> GenerateRequest:
+        return chat_request(request_id("boxes"), settings.tokens)
+
+    async with Gateway(processes.plant) as gateway:
+        for _ in range(WARMUP_REQUESTS):
+            await gateway.generate(chat(), REQUEST_TIMEOUT_S)
+        load = [await _load(gateway, chat, concurrency, settings)
+                for concurrency in BOXES_CONCURRENCY]
+    return BoxesRun(stages=len(processes.plant.stages), load=load)

@@ -1,0 +1,261 @@
+"""`edgebus bench`'s pure parts: the metric arithmetic and the report, on given numbers.
+
+Nothing here is timed and nothing starts a plant: the bench itself is the
+timed run, and its numbers are machine-dependent by nature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from edgebus.bench import report
+from edgebus.bench.metrics import (
+    HopLatency,
+    LoadStats,
+    StreamStats,
+    Trace,
+    hop_overhead,
+    inter_token_latencies,
+    load_stats,
+    marginal_rate,
+    param_bytes_by_stage,
+    percentile,
+    proc_status_bytes,
+    stream_stats,
+    time_to_first_token,
+)
+from edgebus.bench.results import (
+    BenchResult,
+    BenchSettings,
+    BoxesRun,
+    Machine,
+    PipelineRun,
+    TransformersBaseline,
+    Wire,
+)
+
+MIB = 1024**2
+
+
+# -- metrics ---------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_between_ranks_like_numpy() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 100) == 4.0
+    assert percentile(range(1, 101), 99) == pytest.approx(99.01)
+    assert percentile([7.0], 99) == 7.0
+
+
+@pytest.mark.parametrize("values, q", [([], 50.0), ([1.0], 101.0)])
+def test_percentile_refuses_what_has_none(values: list[float], q: float) -> None:
+    with pytest.raises(ValueError):
+        percentile(values, q)
+
+
+def test_inter_token_latency_spreads_a_multi_token_piece_over_its_tokens() -> None:
+    # Token 2's text was held back and came with token 3; index 4 is the final
+    # flush past the last token and is no token at all.
+    trace = Trace(sent=0.0, arrivals=[(0, 1.0), (1, 1.1), (3, 1.5), (4, 1.6)], done=1.7,
+                  tokens=4)
+    assert inter_token_latencies(trace) == pytest.approx([0.1, 0.2, 0.2])
+    assert time_to_first_token(trace) == pytest.approx(1.0)
+
+
+def test_time_to_first_token_without_stream_is_the_response() -> None:
+    assert time_to_first_token(Trace(sent=2.0, arrivals=[], done=2.5, tokens=1)) == 0.5
+
+
+def test_stream_stats_sums_tokens_over_summed_durations() -> None:
+    traces = [Trace(sent=0.0, arrivals=[(i, 0.2 + 0.1 * i) for i in range(4)], done=0.5,
+                    tokens=4),
+              Trace(sent=10.0, arrivals=[(i, 10.4 + 0.1 * i) for i in range(4)], done=10.8,
+                    tokens=4)]
+    stats = stream_stats(traces)
+    assert stats.tok_s == pytest.approx(8 / 1.3)
+    assert stats.ttft_s == pytest.approx(0.3)  # median of 0.2 and 0.4
+    assert stats.itl_p50_s == pytest.approx(0.1)
+
+
+def test_load_stats_is_tokens_over_first_send_to_last_response() -> None:
+    traces = [Trace(sent=0.0, arrivals=[(0, 0.5), (1, 0.6)], done=1.0, tokens=2),
+              Trace(sent=0.2, arrivals=[(0, 0.7), (1, 0.9)], done=2.0, tokens=2)]
+    stats = load_stats(2, traces)
+    assert (stats.requests, stats.tokens, stats.wall_s) == (2, 4, 2.0)
+    assert stats.tok_s == 2.0
+
+
+def test_bytes_per_decode_token_cancel_prefill_and_release() -> None:
+    prefill, release, per_token, tokens = 50_000, 56, 1208, 64
+    short = prefill + release  # a 1-token request: the prefill frame gives the only token
+    long = prefill + release + (tokens - 1) * per_token
+    assert marginal_rate((short, 1), (long, tokens)) == per_token
+    with pytest.raises(ValueError):
+        marginal_rate((short, 1), (long, 1))
+
+
+def test_wire_mean_per_hop_of_a_three_stage_decode_step() -> None:
+    # TOKENS (header + 1 int32), two HIDDEN (header + 576 fp16), CANDIDATES (id + logit).
+    wire = Wire({"stage-0": 60, "stage-1": 1208, "stage-2": 1208, "coordinator": 64})
+    assert wire.per_hop == 635
+
+
+def test_hop_overhead_is_what_the_stages_do_not_compute_per_hop() -> None:
+    assert hop_overhead(0.084, [0.024, 0.023, 0.025], 4) == pytest.approx(0.003)
+
+
+def test_proc_status_memory_fields() -> None:
+    status = "Name:\tpython\nVmHWM:\t  336000 kB\nVmRSS:\t  300000 kB\n"
+    assert proc_status_bytes(status, "VmHWM") == 336000 * 1024
+    assert proc_status_bytes(status, "VmRSS") == 300000 * 1024
+    with pytest.raises(ValueError):
+        proc_status_bytes("Name:\tpython\n", "VmHWM")
+
+
+def _checkpoint(layers: int, *, tied: bool) -> dict[str, int]:
+    sizes = {f"model.layers.{i}.mlp.up_proj.weight": 100 for i in range(layers)}
+    sizes |= {f"model.layers.{i}.input_layernorm.weight": 1 for i in range(layers)}
+    sizes |= {"model.embed_tokens.weight": 1000, "model.norm.weight": 7}
+    return sizes if tied else sizes | {"lm_head.weight": 2000}
+
+
+def test_weight_share_with_a_tied_head() -> None:
+    shares = param_bytes_by_stage(_checkpoint(6, tied=True), [(0, 2), (2, 4), (4, 6)])
+    assert shares == [1000 + 202, 202, 202 + 7 + 1000]
+
+
+def test_weight_share_with_an_untied_head_and_with_one_stage() -> None:
+    assert param_bytes_by_stage(_checkpoint(4, tied=False), [(0, 2), (2, 4)]) == [
+        1000 + 202, 202 + 7 + 2000]
+    # One stage holding embedding and tied head holds that matrix once.
+    assert param_bytes_by_stage(_checkpoint(4, tied=True), [(0, 4)]) == [1000 + 404 + 7]
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def _stream(tok_s: float) -> StreamStats:
+    return StreamStats(tok_s=tok_s, ttft_s=0.2, itl_p50_s=0.07, itl_p99_s=0.09)
+
+
+def _load(concurrency: int, tok_s: float) -> LoadStats:
+    return LoadStats(concurrency=concurrency, requests=2 * concurrency, tokens=1000,
+                     wall_s=1000 / tok_s, ttft_p50_s=0.3, itl_p50_s=0.1, itl_p99_s=0.2)
+
+
+def _pipeline(broker: str, single: float, at_16: float) -> PipelineRun:
+    stage_rss = {"stage-0": 500 * MIB, "stage-1": 400 * MIB, "stage-2": 500 * MIB}
+    return PipelineRun(
+        broker=broker, single=_stream(single),
+        load=[_load(1, single), _load(4, 30.0), _load(16, at_16)], long_ttft_s=1.0,
+        wire=Wire({"stage-0": 60, "stage-1": 1208, "stage-2": 1208, "coordinator": 64}),
+        hop=HopLatency(p50_s=0.0005, p99_s=0.001), compute_per_step_s=[0.02, 0.02, 0.03],
+        overhead_per_hop_s=0.0035,
+        peak_rss={**stage_rss, "coordinator": 370 * MIB},
+        end_rss={**stage_rss, "coordinator": 360 * MIB})
+
+
+@pytest.fixture
+def result(tmp_path: Path) -> BenchResult:
+    settings = BenchSettings(out=tmp_path / "docs" / "benchmarks.md", quick=False,
+                             brokers=("amqtt", "mosquitto"), tokens=64)
+    machine = Machine(cpu="AMD EPYC", cores=2, usable_cores=2, memory_gib=23.5, kernel="6.1",
+                      python="3.11.7", torch="2.13.0+cpu", transformers="5.24.0",
+                      mosquitto="mosquitto version 2.0.11", llama_cpp=None,
+                      date="2026-01-01 00:00 UTC", load_average=(0.1, 0.2, 0.3))
+    return BenchResult(
+        settings=settings, machine=machine, model="SmolLM2-135M-Instruct",
+        chat_prompt_tokens=44, long_prompt_tokens=512,
+        transformers=TransformersBaseline(single=_stream(10.0), batch_tok_s={8: 60.0, 16: 80.0},
+                                          long_ttft_s=1.0),
+        llama_cpp=None, idle_rss=300 * MIB, stage_layers=[(0, 10), (10, 20), (20, 30)],
+        stage_param_bytes=[250 * MIB, 150 * MIB, 250 * MIB],
+        pipelines=[_pipeline("amqtt", 9.0, 50.0), _pipeline("mosquitto", 9.6, 70.0)],
+        boxes=[BoxesRun(stages=1, load=[_load(4, 10.0), _load(8, 10.0)]),
+               BoxesRun(stages=2, load=[_load(4, 16.0), _load(8, 18.0)])],
+        elapsed_s=540.0, notes=["a note for the reader"])
+
+
+def _verdicts(markdown: str) -> dict[str, tuple[str, str]]:
+    """Target name -> (measured, verdict) from the Targets table."""
+    section = markdown.split("## Targets", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| target")]
+    return {cells[0].strip(): (cells[1].strip(), cells[3].strip()) for cells in rows}
+
+
+def test_targets_are_judged_on_mosquitto_against_the_same_run(result: BenchResult) -> None:
+    verdicts = _verdicts(report.render_markdown(result, "benchmarks.png"))
+    where = "3 stages over mosquitto"
+    assert verdicts[f"single stream, {where}, vs transformers single stream"] == ("0.96x", "pass")
+    assert verdicts[f"16 concurrent, {where}, vs transformers single stream"] == ("7.00x", "pass")
+    assert verdicts["2 pinned stages vs 1 pinned core (aggregate tok/s)"] == ("1.80x", "pass")
+    assert verdicts[f"TTFT of the 512-token prompt, {where}, vs transformers"] == \
+        ("1.00x", "pass")
+    # stage-1: 400 MiB against 150 + 300: fine; stage-0: 500 against 250 + 300: fine.
+    assert verdicts["worst stage peak RSS vs its weights + an idle agent"] == ("0.91x", "pass")
+    assert verdicts[f"stretch: single stream, {where}, vs llama.cpp single stream"] == \
+        ("n/a", "n/a")
+
+
+def test_a_missed_target_is_marked(result: BenchResult) -> None:
+    slow = dataclasses.replace(result, pipelines=[_pipeline("mosquitto", 5.0, 20.0)])
+    verdicts = _verdicts(report.render_markdown(slow, None))
+    assert verdicts["single stream, 3 stages over mosquitto, vs transformers single stream"] \
+        == ("0.50x", "**fail**")
+
+
+def test_quick_run_reports_what_it_skipped(result: BenchResult) -> None:
+    quick = dataclasses.replace(
+        result, settings=dataclasses.replace(result.settings, quick=True, tokens=16),
+        pipelines=[_pipeline("amqtt", 9.0, 50.0)], boxes=[])
+    quick = dataclasses.replace(quick, pipelines=[dataclasses.replace(
+        quick.pipelines[0], load=quick.pipelines[0].load[:2])])
+    markdown = report.render_markdown(quick, None)
+    verdicts = _verdicts(markdown)
+    assert verdicts["16 concurrent, 3 stages over amqtt, vs transformers single stream"] == \
+        ("n/a", "n/a")
+    assert verdicts["2 pinned stages vs 1 pinned core (aggregate tok/s)"] == ("n/a", "n/a")
+    assert "Not measured (`--quick`)" in markdown
+    assert "edgebus bench --out" in markdown and "--quick" in markdown
+    assert "Skipped: matplotlib is not installed" in markdown
+
+
+def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
+    markdown = report.render_markdown(result, "benchmarks.png")
+    assert f"edgebus bench --out {result.settings.out}\n" in markdown
+    assert "| CPU | AMD EPYC |" in markdown
+    assert "stages hold layers [0, 10), [10, 20), [20, 30)" in markdown
+    assert "| llama.cpp (Q4_1 GGUF), single stream | not installed |" in markdown
+    assert "| transformers, static batch 16 | 80.0 |" in markdown
+    assert "| mosquitto | 16 | 32 | 70.0 | 7.00x | 300.0 ms | 100.0 ms | 200.0 ms |" in markdown
+    assert "| amqtt | 60 | 1208 | 1208 | 64 | 635 |" in markdown
+    assert "| mosquitto | 0.5 ms | 1.0 ms | 70.0 ms | 70.0 ms | 3.5 ms |" in markdown
+    assert "| amqtt | stage-1 | 400 MiB | 400 MiB | 150 MiB | 100 MiB | pass |" in markdown
+    assert "| 2 stage(s), one core each | 8 | 18.0 | 1.80x |" in markdown
+    assert "![aggregate tokens/s against concurrency](benchmarks.png)" in markdown
+    assert "- a note for the reader" in markdown
+
+
+def test_command_repeats_the_run() -> None:
+    settings = BenchSettings(out=Path("docs/benchmarks.md"), quick=True, brokers=("mosquitto",),
+                             tokens=16)
+    assert settings.command() == ("edgebus bench --out docs/benchmarks.md --quick "
+                                  "--brokers mosquitto")
+    assert dataclasses.replace(settings, quick=False, brokers=("amqtt", "mosquitto"),
+                               tokens=32).command() == \
+        "edgebus bench --out docs/benchmarks.md --tokens 32"
+
+
+def test_write_report_without_matplotlib_still_writes_the_markdown(
+        result: BenchResult, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(report, "write_plot", lambda result, path: False)
+    text, plot = report.write_report(result)
+    assert plot is None
+    assert result.settings.out.read_text(encoding="utf-8") == text
+    assert "Skipped: matplotlib is not installed" in text
