@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import aiomqtt
 import torch
@@ -95,13 +98,23 @@ class StageAgent:
 
     # -- scheduling (event loop) -----------------------------------------------
 
+    def _batch_limit(self) -> int:
+        """Decode rows to take now: an S-th of the requests this stage holds.
+
+        Taking all of them would merge every request into one group moving in
+        lockstep, leaving S-1 stages idle while one computes; an S-th keeps a
+        group in flight per stage, so every box earns its place.
+        """
+        return max(1, min(MAX_BATCH, math.ceil(len(self.caches) / len(self.plant.stages))))
+
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             # With prompt chunks pending there is work now; else sleep until a frame comes.
             arrived = [] if self._prompts else [await self.inbox.get()]
             decodes: list[Frame] = []
-            while arrived or (not self.inbox.empty() and len(decodes) < MAX_BATCH):
+            limit = self._batch_limit()
+            while arrived or (not self.inbox.empty() and len(decodes) < limit):
                 frame = arrived.pop() if arrived else self.inbox.get_nowait()
                 if frame.kind == Kind.RELEASE:
                     await loop.run_in_executor(self._executor, self.caches.pop, frame.request,
@@ -120,7 +133,9 @@ class StageAgent:
         for error in errors:
             self._report(error)
         if out:
-            await self.bus.publish(self.next_topic, out, qos=1)
+            # Not awaited: the next batch need not wait for this one's PUBACK.
+            # Publishes leave in call order, so a request's frames stay in order.
+            self._spawn(self.bus.publish(self.next_topic, out, qos=1))
 
     # -- compute (worker thread) -------------------------------------------------
 
@@ -211,8 +226,11 @@ class StageAgent:
         return x
 
     def _report(self, message: str) -> None:
-        task = asyncio.create_task(publish_event(
+        self._spawn(publish_event(
             self.bus, self.topics, Event(kind="error", agent_id=self.node_id, message=message)))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
