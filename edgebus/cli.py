@@ -29,7 +29,8 @@ def _node(args: argparse.Namespace) -> None:
     from node_agent.stage import run_stage
     from plant_config import load_plant
 
-    run_stage(load_plant(args.plant), args.id, threads=args.threads)
+    run_stage(load_plant(args.plant), args.id, threads=args.threads,
+              batch_groups=args.batch_groups)
 
 
 def _coordinator(args: argparse.Namespace) -> None:
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", required=True, help="node id from the plant file")
     p.add_argument("--threads", type=int,
                    help="torch threads (default: the plant file's, else all cores)")
+    p.add_argument("--batch-groups", type=int,
+                   help="request groups kept in flight (default: one per stage; 1 when "
+                        "every stage shares this box's cores)")
     p.set_defaults(run=_node)
 
     p = sub.add_parser("coordinator", help="run the coordinator agent")

@@ -111,10 +111,13 @@ class PlantProcesses:
         # threads share the cores: oversubscribed, they wait on each other's
         # spinning OpenMP threads (measured on 2 cores, 3 stages: 150-280 ms
         # per token with all cores each, ~70 ms with one each).
+        # For the same reason they batch as one group: a group per stage pays
+        # off when each stage has cores of its own (pinned here, as on boxes).
         shared = str(max(1, _cores() // len(plant.stages)))
+        groups = [] if cpus else ["--batch-groups", "1"]
         children += [self._child(stage.node, "stage",
                                  [*command, "node", str(plant_path), "--id", stage.node,
-                                  "--threads", str(stage.threads or shared)])
+                                  "--threads", str(stage.threads or shared), *groups])
                      for stage in plant.stages]
         children.append(self._child(plant.coordinator.id, "coordinator",
                                     [*command, "coordinator", str(plant_path)]))

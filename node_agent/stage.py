@@ -52,8 +52,10 @@ MAX_BATCH = 32
 class StageAgent:
     """Runs one stage of the plant's pipeline."""
 
-    def __init__(self, plant: Plant, node_id: str, model: StageModel | None = None) -> None:
+    def __init__(self, plant: Plant, node_id: str, model: StageModel | None = None, *,
+                 batch_groups: int | None = None) -> None:
         self.plant = plant
+        self.batch_groups = batch_groups or len(plant.stages)
         self.node_id = node_id
         self.index = plant.stage_index(node_id)
         spec = plant.stages[self.index]
@@ -99,13 +101,14 @@ class StageAgent:
     # -- scheduling (event loop) -----------------------------------------------
 
     def _batch_limit(self) -> int:
-        """Decode rows to take now: an S-th of the requests this stage holds.
+        """Decode rows to take now: a 1/batch_groups share of the requests held here.
 
         Taking all of them would merge every request into one group moving in
-        lockstep, leaving S-1 stages idle while one computes; an S-th keeps a
-        group in flight per stage, so every box earns its place.
+        lockstep, leaving S-1 stages idle while one computes; with one group
+        per stage (the default) every box earns its place. Stages that share
+        one box's cores are better off with one big group (fewer, fuller passes).
         """
-        return max(1, min(MAX_BATCH, math.ceil(len(self.caches) / len(self.plant.stages))))
+        return max(1, min(MAX_BATCH, math.ceil(len(self.caches) / self.batch_groups)))
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
@@ -235,7 +238,8 @@ class StageAgent:
         task.add_done_callback(self._background.discard)
 
 
-def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:
+def run_stage(plant: Plant, node_id: str, threads: int | None = None,
+              batch_groups: int | None = None) -> None:
     """`edgebus node PLANT --id NODE`: load the layers, then serve until SIGTERM."""
     spec = plant.stages[plant.stage_index(node_id)]
     threads = threads or spec.threads
@@ -243,7 +247,7 @@ def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:
         torch.set_num_threads(threads)
 
     async def main(stop: asyncio.Event) -> None:
-        agent = StageAgent(plant, node_id)
+        agent = StageAgent(plant, node_id, batch_groups=batch_groups)
         log.info("stage %s holds layers [%d, %d): %.1f MB of parameters", node_id,
                  *spec.layers, agent.model.param_bytes / 1e6)
         await agent.serve(stop)
