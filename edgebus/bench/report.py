@@ -106,7 +106,7 @@ def render_markdown(result: BenchResult, plot_name: str | None) -> str:
     sections = [
         _header(result), _machine(result), _workload(result), _targets(result),
         _baselines(result), _single(result), _concurrency(result), _wire(result),
-        _hops(result), _memory(result), _boxes(result), _plot(plot_name),
+        _hops(result), _memory(result), _boxes(result), _STAGE_COMPUTE, _plot(plot_name),
         _definitions(result), _notes(result)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -317,6 +317,12 @@ def _definitions(result: BenchResult) -> str:
         "the same two requests as the bytes.\n"
         "- Weights held: the stage's tensors' sizes from the safetensors headers (its layers; "
         "the embedding on the first; the final norm and the tied head on the last).")
+
+
+_STAGE_COMPUTE = (
+    "## Stage compute\n\nWhat was tried to make a stage's forward pass faster (bf16, int8, "
+    "torch.compile, batching), with numbers: [stage-compute.md](stage-compute.md), "
+    "made by `python -m edgebus.bench.compute`.")
 
 
 def _notes(result: BenchResult) -> str:
