@@ -70,16 +70,22 @@ class MosquittoProcess:
 
     `port=None` picks a free port once, so a restart keeps it. The config and
     the log (accumulated over restarts) are `workdir/mosquitto.conf` and
-    `workdir/mosquitto.log`.
+    `workdir/mosquitto.log`. `persistence=True` keeps retained messages,
+    sessions and queued QoS>0 messages across a restart (saved at stop and
+    every `autosave_interval` s), as a plant's broker should.
     """
 
-    def __init__(self, workdir: Path, *, host: str = LOOPBACK, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, *, host: str = LOOPBACK, port: int | None = None,
+                 persistence: bool = False, autosave_interval: int = 1) -> None:
         binary = mosquitto_binary()
         if binary is None:
             raise EdgebusError(f"mosquitto is not installed: {INSTALL_HINT}")
         self._binary = binary
         self.host = host
         self.port = port if port is not None else free_port(host)
+        self.workdir = workdir
+        self.persistence = persistence
+        self.autosave_interval = autosave_interval
         self.conf_path = workdir / "mosquitto.conf"
         self.log_path = workdir / "mosquitto.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -110,6 +116,9 @@ class MosquittoProcess:
             # user keeps it as is (and is ignored when not root).
             f"user {pwd.getpwuid(os.geteuid()).pw_name}",
         ]
+        if self.persistence:
+            lines += ["persistence true", f"persistence_location {self.workdir}",
+                      f"autosave_interval {self.autosave_interval}"]
         return "\n".join(lines) + "\n"
 
     def __enter__(self) -> MosquittoProcess:
@@ -140,12 +149,20 @@ class MosquittoProcess:
                                    f"{START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
             time.sleep(_POLL_INTERVAL_S)
 
-    def stop(self) -> None:
-        """SIGTERM the broker (SIGKILL after STOP_TIMEOUT_S); idempotent."""
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, *, kill: bool = False) -> None:
+        """SIGTERM the broker (SIGKILL after STOP_TIMEOUT_S), or SIGKILL at once to mimic a
+        crash; idempotent."""
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.terminate()
+        if kill:
+            proc.kill()
+        else:
+            proc.terminate()
         try:
             proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
