@@ -9,22 +9,18 @@ caller's choosing, and `stop()` then `start()` restarts it on the same port.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 from edgebus.errors import EdgebusError
+from edgebus.processes import LOOPBACK, child_setup, free_port
 
-LOOPBACK = "127.0.0.1"
 INSTALL_HINT = "apt-get install mosquitto mosquitto-clients"
 
 # Debian installs the broker in /usr/sbin, which is not on a non-root user's PATH.
@@ -37,16 +33,6 @@ STOP_TIMEOUT_S = 5.0
 _POLL_INTERVAL_S = 0.01
 # How much of the log an error message quotes: the end is where the reason is.
 _LOG_TAIL_CHARS = 4000
-# <linux/prctl.h>
-_PR_SET_PDEATHSIG = 1
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on `host` that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def mosquitto_binary() -> str | None:
@@ -136,7 +122,7 @@ class MosquittoProcess:
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen([self._binary, "-c", str(self.conf_path)],
                                           stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent())
+                                          stdin=subprocess.DEVNULL, preexec_fn=child_setup())
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _accepts_tcp(self.host, self.port):
             if self._proc.poll() is not None:
@@ -175,21 +161,6 @@ class MosquittoProcess:
             return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         except FileNotFoundError:
             return "(no log written)"
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn: the kernel SIGTERMs the broker when its parent dies, even by SIGKILL.
-
-    So a killed bench or test run leaves no Mosquitto behind. Linux only.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-    return preexec
 
 
 def _accepts_tcp(host: str, port: int) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from edgebus.errors import EdgebusError
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
 from edgebus.model_import import DEMO_MODEL_NAME, ensure_demo_model
+from edgebus.processes import free_port
 from plant_config import Plant, make_plant, write_plant
 
 # The smallest pipeline with a middle stage: first (embedding), middle (hidden
@@ -65,15 +65,10 @@ def _demo_plant(model_dir: Path) -> Plant:
     is neither in the way nor talked to.
     """
     plant = make_plant(model_dir, stages=DEMO_STAGES, plant_id="demo")
-    broker = plant.broker.model_copy(update={"host": DEMO_HOST, "port": _free_port()})
+    broker = plant.broker.model_copy(update={"host": DEMO_HOST, "port": free_port(DEMO_HOST)})
     return plant.model_copy(update={"broker": broker})
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((DEMO_HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def _load_and_ask(processes: PlantProcesses, prompt: str) -> None:

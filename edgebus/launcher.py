@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import os
 import secrets
@@ -40,6 +39,7 @@ from pydantic import ValidationError
 from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
 from edgebus.messages import AgentStatus
+from edgebus.processes import child_setup, cores
 from plant_config import Plant, load_plant
 
 # amqtt listens ~0.2 s after its interpreter starts here; the margin is for a
@@ -62,8 +62,6 @@ _TAIL_BYTES = 64 * 1024
 _PROBE_TIMEOUT_S = 1.0
 BROKER_NAME = "broker"
 
-# <linux/prctl.h>
-_PR_SET_PDEATHSIG = 1
 # Forwarded child lines are written whole, one at a time, so they never interleave.
 _OUTPUT_LOCK = threading.Lock()
 
@@ -113,7 +111,7 @@ class PlantProcesses:
         # per token with all cores each, ~70 ms with one each).
         # For the same reason they batch as one group: a group per stage pays
         # off when each stage has cores of its own (pinned here, as on boxes).
-        shared = str(max(1, _cores() // len(plant.stages)))
+        shared = str(max(1, cores() // len(plant.stages)))
         groups = [] if cpus else ["--batch-groups", "1"]
         children += [self._child(stage.node, "stage",
                                  [*command, "node", str(plant_path), "--id", stage.node,
@@ -279,7 +277,7 @@ class PlantProcesses:
                 out, err = files.enter_context(child.log_path.open("ab")), subprocess.STDOUT
             child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=out,
                                           stderr=err, env=env, start_new_session=True,
-                                          preexec_fn=_child_setup(child.cpus))
+                                          preexec_fn=child_setup(child.cpus))
         if child.log_path is not None:
             return
         assert child.proc.stdout is not None and child.proc.stderr is not None
@@ -380,36 +378,6 @@ def _forward(stream: IO[bytes], sink: TextIO, child: _Child) -> None:
                 sink.flush()
 
 
-def _child_setup(cpus: list[int] | None) -> Callable[[], None] | None:
-    """A preexec_fn: the kernel SIGTERMs the child when its parent dies; pin it to `cpus`.
-
-    Linux only; elsewhere nothing is set up, and pinning is refused.
-    """
-    if not sys.platform.startswith("linux"):
-        if cpus is not None:
-            raise EdgebusError("pinning agents to CPUs needs Linux (sched_setaffinity)")
-        return None
-    # Looked up here, in the parent: the child between fork and exec should do
-    # as little as possible.
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        # Between fork and exec, while output threads may hold locks in the
-        # parent: only plain system calls here, nothing that takes a lock.
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        # Pinned before exec, so every thread the agent ever starts (torch's
-        # OpenMP pool included) inherits it: a bench can then give each stage
-        # a core of its own, as each would have its own box.
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-        # If the parent died before prctl, nobody will ever signal this child.
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
 def _mqtt_accepts(host: str, port: int) -> bool:
     """Whether an MQTT broker at host:port accepts an anonymous MQTT 3.1.1 CONNECT.
 
@@ -504,10 +472,3 @@ def _table(plant: PlantProcesses) -> str:
     broker = "" if plant.plant.broker.embedded else f" (broker {endpoint.host}:{endpoint.port})"
     return "\n".join([f"plant {plant.plant.plant_id!r} is up{broker}:", *rows,
                       f'ask it: edgebus ask {plant.plant_path} "Hello"   stop: Ctrl-C'])
-
-
-def _cores() -> int:
-    """Cores this process may run on (a container or taskset may allow fewer than exist)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1

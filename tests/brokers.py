@@ -14,7 +14,8 @@ from abc import ABC, abstractmethod
 
 from broker.embedded import EmbeddedBroker
 from broker.mosquitto import INSTALL_HINT as MOSQUITTO_INSTALL_HINT
-from broker.mosquitto import LOOPBACK, MosquittoProcess, free_port, mosquitto_binary
+from broker.mosquitto import MosquittoProcess, mosquitto_binary
+from edgebus.processes import LOOPBACK, free_port
 
 # amqtt listens within ~25 ms here; the margin is for a loaded CI box.
 _START_TIMEOUT_S = 10.0

@@ -22,11 +22,12 @@ import pytest
 from brokers import MOSQUITTO_INSTALL_HINT, BrokerHandle, MosquittoBroker, free_port
 
 from broker.embedded import EmbeddedBroker
+from edgebus.client import NODELAY
 from edgebus.errors import BusError
 
 # paho (under aiomqtt) leaves Nagle on; without this every small request/reply
 # waits for the peer's delayed ACK: 88 ms measured on the loopback.
-NODELAY = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
+SOCKET_OPTIONS = (NODELAY,)
 # Generous for the loopback, where a delivery takes about a millisecond.
 DELIVERY_TIMEOUT_S = 5.0
 # How long a test waits to be sure something it must not receive does not come.
@@ -37,7 +38,7 @@ KIB = bytes(range(256)) * 4
 
 
 def client(broker: BrokerHandle, will: aiomqtt.Will | None = None) -> aiomqtt.Client:
-    return aiomqtt.Client(broker.host, broker.port, will=will, socket_options=NODELAY)
+    return aiomqtt.Client(broker.host, broker.port, will=will, socket_options=SOCKET_OPTIONS)
 
 
 async def next_message(sub: aiomqtt.Client, timeout: float = DELIVERY_TIMEOUT_S) -> aiomqtt.Message:
@@ -60,7 +61,7 @@ async def test_persistent_session_gets_what_it_missed(broker: BrokerHandle) -> N
     """QoS 1 messages published while a clean_session=False subscriber is away reach it later."""
     def agent() -> aiomqtt.Client:
         return aiomqtt.Client(broker.host, broker.port, identifier="agent-7",
-                              clean_session=False, socket_options=NODELAY)
+                              clean_session=False, socket_options=SOCKET_OPTIONS)
 
     async with agent() as sub:
         await sub.subscribe("t/act/agent-7", qos=1)
@@ -269,7 +270,7 @@ def test_mosquitto_command_line_clients(mosquitto_broker: MosquittoBroker) -> No
 async def test_embedded_broker_picks_a_port_and_reports_a_busy_one() -> None:
     async with EmbeddedBroker(port=0) as first:
         assert first.port != 0
-        async with aiomqtt.Client(first.host, first.port, socket_options=NODELAY):
+        async with aiomqtt.Client(first.host, first.port, socket_options=SOCKET_OPTIONS):
             pass
         with pytest.raises(BusError, match=f"cannot listen on 127.0.0.1:{first.port}"):
             async with EmbeddedBroker(port=first.port):
@@ -286,7 +287,7 @@ async def test_run_broker_forever_serves_until_signalled(signum: signal.Signals)
     try:
         line = await asyncio.wait_for(proc.stderr.readline(), CHILD_CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
         assert f"edgebus embedded broker listening on 127.0.0.1:{port}" in line.decode()
-        async with aiomqtt.Client("127.0.0.1", port, socket_options=NODELAY) as c:
+        async with aiomqtt.Client("127.0.0.1", port, socket_options=SOCKET_OPTIONS) as c:
             await c.subscribe("t/alive", qos=1)
             await c.publish("t/alive", b"1", qos=1)
             assert (await next_message(c)).payload == b"1"

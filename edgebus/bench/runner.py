@@ -25,7 +25,7 @@ import transformers
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from broker.mosquitto import LOOPBACK, MosquittoProcess, free_port, mosquitto_version
+from broker.mosquitto import MosquittoProcess, mosquitto_version
 from edgebus.bench import baseline
 from edgebus.bench.gateway import Gateway, Sniffer, broker_hop, closed_loop
 from edgebus.bench.metrics import (
@@ -54,6 +54,7 @@ from edgebus.errors import EdgebusError
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.messages import GenerateRequest
 from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
+from edgebus.processes import LOOPBACK, free_port
 from node_agent.text import prompt_ids
 from plant_config import Plant, make_plant, write_plant
 from plant_config.schema import EMBEDDED
