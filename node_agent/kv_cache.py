@@ -25,10 +25,14 @@ class KVCache:
         # layer_idx -> [batch, kv_heads, positions, head_dim]
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
+        # Bytes held, kept as a plain int so another thread can read it safely.
+        self.nbytes = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `key_states`/`value_states` ([b, h, t, d]) and return all keys/values so far."""
+        self.nbytes += (key_states.nelement() * key_states.element_size()
+                        + value_states.nelement() * value_states.element_size())
         if layer_idx in self._keys:
             key_states = torch.cat([self._keys[layer_idx], key_states], dim=2)
             value_states = torch.cat([self._values[layer_idx], value_states], dim=2)
@@ -39,8 +43,3 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Token positions cached so far (the same for every layer between steps)."""
         return max((k.shape[2] for k in self._keys.values()), default=0)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nelement() * t.element_size()
-                   for store in (self._keys, self._values) for t in store.values())

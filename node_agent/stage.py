@@ -69,7 +69,7 @@ class StageAgent:
         self.caches: dict[int, KVCache] = {}  # touched only by the worker thread
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue()
         self._prompts: collections.deque[Frame] = collections.deque()  # prefill chunks waiting
-        self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "kv_bytes": 0.0}
+        self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0}
         self.bus = BusClient(
             plant.broker.endpoint(), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
@@ -79,8 +79,9 @@ class StageAgent:
         self._background: set[asyncio.Task[None]] = set()
 
     def _metrics(self) -> dict[str, float]:
+        caches = list(self.caches.values())  # a snapshot: the worker thread changes the dict
         return {**self.metrics, "queue": float(self.inbox.qsize() + len(self._prompts)),
-                "requests": float(len(self.caches))}
+                "requests": float(len(caches)), "kv_bytes": float(sum(c.nbytes for c in caches))}
 
     async def serve(self, stop: asyncio.Event) -> None:
         try:
@@ -174,7 +175,6 @@ class StageAgent:
         self.metrics["compute_s"] += time.perf_counter() - started
         self.metrics["steps"] += 1
         self.metrics["rows"] += len(rows)
-        self.metrics["kv_bytes"] = float(sum(c.nbytes for c in self.caches.values()))
         return b"".join(self._encode(frame, out[i:i + 1])
                         for i, (frame, _, _) in enumerate(rows)), errors
 
