@@ -132,3 +132,18 @@ async def test_tiny_families_token_exact(tiny_dir: Path, amqtt_broker: BrokerHan
         assert response.tokens == reference_tokens(tiny_dir, request), request.id
         assert len(response.tokens) == MAX_TOKENS
         assert response.finish_reason == "length"
+
+
+async def test_seeded_sampling_is_reproducible_through_the_pipeline(
+        tiny_dir: Path, amqtt_broker: BrokerHandle) -> None:
+    def sampled(rid: str, seed: int) -> GenerateRequest:
+        return GenerateRequest(id=rid, prompt="Spindle speed", max_tokens=16, temperature=0.9,
+                               top_p=0.95, seed=seed, ignore_eos=True)
+
+    reqs = [sampled("a", 7), sampled("b", 7), sampled("c", 8)]
+    plant = plant_for(tiny_dir, amqtt_broker, [(0, 2), (2, 6)])
+    async with running(plant):
+        first, again, other = await ask_all(plant, reqs)
+    assert first.tokens == again.tokens
+    assert first.tokens != other.tokens
+    assert first.tokens != reference_tokens(tiny_dir, reqs[0])  # it really sampled
