@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int,
                    help="torch threads (default: the plant file's, else all cores)")
     p.add_argument("--batch-groups", type=int,
-                   help="request groups kept in flight (default: one per stage; 1 when "
-                        "every stage shares this box's cores)")
+                   help="request groups kept in flight (default: one per stage; `up` "
+                        "passes one per core, since its stages share this box's cores)")
     p.set_defaults(run=_node)
 
     p = sub.add_parser("coordinator", help="run the coordinator agent")

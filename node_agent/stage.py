@@ -107,7 +107,7 @@ class StageAgent:
         Taking all of them would merge every request into one group moving in
         lockstep, leaving S-1 stages idle while one computes; with one group
         per stage (the default) every box earns its place. Stages that share
-        one box's cores are better off with one big group (fewer, fuller passes).
+        one box's cores want one group per core: more would only queue for them.
         """
         return max(1, min(MAX_BATCH, math.ceil(len(self.caches) / self.batch_groups)))
 
