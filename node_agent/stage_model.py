@@ -86,18 +86,17 @@ class StageModel(nn.Module):
     def _load(self, model_dir: Path, owned: dict[str, nn.Module],
               tied_head_key: str | None) -> None:
         locations = tensor_locations(model_dir)
-        wanted: dict[str, tuple[nn.Module, str]] = {}  # checkpoint key -> (module, tensor name)
+        wanted: list[tuple[str, nn.Module, str]] = []  # (checkpoint key, module, tensor name)
         for key_prefix, module in owned.items():
             for name, _ in [*module.named_parameters(), *module.named_buffers()]:
                 key = key_prefix + name
                 if key not in locations and tied_head_key and module is self.lm_head:
                     key = tied_head_key
-                wanted.setdefault(key, (module, name))
-                if wanted[key][0] is not module:  # one checkpoint tensor, two owners (tied)
-                    wanted[f"{key}#tied"] = (module, name)
-        tensors = load_tensors(model_dir, {k.removesuffix("#tied") for k in wanted}, locations)
-        for key, (module, name) in wanted.items():
-            tensor = tensors[key.removesuffix("#tied")]
+                wanted.append((key, module, name))
+        # A tied head and embedding name one key: it is read once, set twice.
+        tensors = load_tensors(model_dir, {key for key, _, _ in wanted}, locations)
+        for key, module, name in wanted:
+            tensor = tensors[key]
             tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
             _set_tensor(module, name, tensor)
         leftover = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
