@@ -47,10 +47,13 @@ def layout_problems(ranges: Sequence[LayerRange]) -> list[Problem]:
                                     "stages[0] must start at layer 0"))
     for index in range(1, len(ranges)):
         prev, cur = ranges[index - 1], ranges[index]
+        if cur == prev:
+            continue  # a replica: a standby node for the same stage
         before = f"stages[{index - 1}] {show(prev)}"
         if cur[0] < prev[0]:
             problems.append(Problem((index, "layers"), f"{show(cur)} starts before {before} — "
-                                                       "list the stages in pipeline order"))
+                                                       "list the stages in pipeline order, a "
+                                                       "stage's replicas next to each other"))
         elif cur[0] < prev[1]:
             twice = _layers_are(cur[0], min(cur[1], prev[1]))
             problems.append(Problem((index, "layers"),

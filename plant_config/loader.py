@@ -18,7 +18,10 @@ from pydantic import ValidationError
 from edgebus.errors import PlantConfigError
 from plant_config.layout import even_split, fit_problems
 from plant_config.problems import Problem, Problems, from_validation_error, plant_error
-from plant_config.schema import RELATIVE_TO, BrokerSettings, Plant
+from plant_config.schema import RELATIVE_TO, BrokerSettings, Plant, WeightMode
+
+# Replica node name suffixes: a plant rarely runs more than two or three boxes per stage.
+_REPLICA_NAMES = "abcdefgh"
 
 # Multimodal checkpoints nest the decoder's config under one of these keys;
 # searching every nested dict could pick vision_config's layer count instead.
@@ -28,6 +31,7 @@ _HEADER = """\
 # edgebus plant file: which node runs which layers of which model, and where the broker is.
 # Every agent reads this same file; a relative model: path is relative to this file.
 # layers: [first, last + 1] - [0, 10] means layers 0-9. Optional per stage: threads: N.
+# weights: fp32 (token-exact, the default), bf16 or int8 (less memory; docs/weight-modes.md).
 """
 
 
@@ -50,8 +54,13 @@ def write_plant(plant: Plant, path: str | os.PathLike[str]) -> None:
     target = Path(path)
     home = target.resolve().parent
     broker_fields_not_used = set() if plant.broker.embedded else set(BrokerSettings.EMBEDDED_ONLY)
+    # Line brokers are URL brokers (validated), so none has embedded-only fields;
+    # a plant without any is written without the section.
+    line_broker_fields: dict[str, set[str]] | bool = (
+        {name: set(BrokerSettings.EMBEDDED_ONLY) for name in plant.brokers} or True)
     data = plant.model_dump(mode="json", exclude_none=True,
-                            exclude={"broker": broker_fields_not_used})
+                            exclude={"broker": broker_fields_not_used,
+                                     "brokers": line_broker_fields})
     data["model"] = _path_for_file(plant.model, home)
     if plant.broker.ca_file is not None:
         data["broker"]["ca_file"] = _path_for_file(plant.broker.ca_file, home)
@@ -68,15 +77,24 @@ def write_plant(plant: Plant, path: str | os.PathLike[str]) -> None:
 
 
 def make_plant(model_dir: str | os.PathLike[str], *, stages: int = 3, broker: str = "embedded",
-               topic_root: str | None = None, plant_id: str = "plant") -> Plant:
-    """A plant that splits the model in `model_dir` evenly over nodes stage-0..stage-{n-1}."""
+               topic_root: str | None = None, plant_id: str = "plant", replicas: int = 1,
+               weights: WeightMode = "fp32") -> Plant:
+    """A plant that splits the model in `model_dir` evenly over nodes stage-0..stage-{n-1}.
+
+    With replicas > 1 each stage gets that many nodes, stage-0-a, stage-0-b, ...
+    Every node keeps its weights in `weights` mode.
+    """
     model = Path(model_dir).expanduser().resolve()
     try:
         num_layers, _ = _num_hidden_layers(model)
     except Problems as exc:
         raise plant_error(None, exc.problems) from None
-    stage_list = [{"node": f"stage-{index}", "layers": layers}
-                  for index, layers in enumerate(even_split(num_layers, stages))]
+    if not 1 <= replicas <= len(_REPLICA_NAMES):
+        raise PlantConfigError(f"replicas must be 1..{len(_REPLICA_NAMES)}, got {replicas}")
+    names = [""] if replicas == 1 else [f"-{c}" for c in _REPLICA_NAMES[:replicas]]
+    stage_list = [{"node": f"stage-{index}{name}", "layers": layers, "weights": weights}
+                  for index, layers in enumerate(even_split(num_layers, stages))
+                  for name in names]
     try:
         return Plant.model_validate({"plant_id": plant_id, "broker": {"url": broker},
                                      "topic_root": topic_root or f"edgebus/{plant_id}",
@@ -87,12 +105,20 @@ def make_plant(model_dir: str | os.PathLike[str], *, stages: int = 3, broker: st
 
 def init_plant_file(path: str | os.PathLike[str], model_dir: str | os.PathLike[str], *,
                     stages: int = 3, broker: str = "embedded", topic_root: str | None = None,
-                    force: bool = False) -> Plant:
+                    force: bool = False, replicas: int = 1,
+                    weights: WeightMode = "fp32") -> Plant:
     """Make a plant for `model_dir`, write it to `path` and return it as agents will load it."""
+    return write_new_plant(make_plant(model_dir, stages=stages, broker=broker,
+                                      topic_root=topic_root, replicas=replicas, weights=weights),
+                           path, force=force)
+
+
+def write_new_plant(plant: Plant, path: str | os.PathLike[str], *, force: bool = False) -> Plant:
+    """Write `plant` to `path` unless a file is there (or `force`); return it as agents load it."""
     if Path(path).exists() and not force:
         raise PlantConfigError(f"{os.fspath(path)}: already exists — not overwriting it; "
                                "remove it first or use --force")
-    write_plant(make_plant(model_dir, stages=stages, broker=broker, topic_root=topic_root), path)
+    write_plant(plant, path)
     return load_plant(path)
 
 

@@ -8,7 +8,7 @@ silently falls back to a default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -28,10 +28,13 @@ from pydantic import (
 
 from edgebus.errors import PlantConfigError
 from edgebus.topics import Topics, check_level
+from plant_config.credentials import read_password
 from plant_config.layout import layout_problems
 from plant_config.problems import Problem, Problems
 
 MqttProtocol = Literal["3.1.1", "5"]
+# How a stage keeps its weights (node_agent/quantize.py implements them).
+WeightMode = Literal["fp32", "bf16", "int8"]
 
 EMBEDDED = "embedded"
 # scheme -> (TLS, default port): the IANA ports for MQTT and MQTT over TLS.
@@ -70,6 +73,9 @@ class BrokerEndpoint:
     protocol: MqttProtocol
     ca_file: Path | None  # None: the system trust store
     keepalive_s: int
+    # Mutual TLS: the certificate and key this client presents (security.tls.require_certificate).
+    cert_file: Path | None = None
+    key_file: Path | None = None
 
 
 class BrokerSettings(_Section):
@@ -177,11 +183,25 @@ def _parse_url(url: str) -> tuple[str, int, bool]:
 
 
 class StageSpec(_Section):
-    """One stage node and the layers it runs."""
+    """One stage node and the layers it runs.
+
+    Nodes listed one after another with the same layers are replicas of one
+    stage: standbys that a request fails over to when its node dies.
+    """
 
     node: str
     layers: tuple[int, int]  # [first, last + 1)
     threads: PositiveInt | None = None  # torch intra-op threads; None: all cores
+    # KV caches this node may hold. 512 MiB holds ~35k positions of a 10-layer
+    # SmolLM2 stage (15 KiB each): 64 requests of 512 tokens with room to spare,
+    # and a Pi 5 with 8 GB keeps most of its memory for weights.
+    kv_budget_mb: PositiveInt = 512
+    # fp32 by default: only fp32 is token-exact against transformers' generate
+    # (docs/weight-modes.md has what bf16 and int8 save and cost).
+    weights: WeightMode = "fp32"
+    # A name from the plant's `brokers:` (a line broker bridged to `broker`);
+    # None: the node connects to the plant's `broker`.
+    broker: str | None = None
 
     @field_validator("node")
     @classmethod
@@ -198,6 +218,85 @@ class StageSpec(_Section):
             raise ValueError(f"[{first}, {stop}] holds no layer — write [first, last + 1], "
                              "e.g. [0, 10] for layers 0-9")
         return layers
+
+
+class BoxSpec(_Section):
+    """One box of the plant as `edgebus plan` sees it; `name` is the node id of its stage.
+
+    The node's weight mode and KV budget stay on its stage entry (`weights`,
+    `kv_budget_mb`): one place for each, which the planner reads from there.
+    """
+
+    name: str
+    # MiB edgebus may use on this box: the node's weights, its KV budget and
+    # the agent process. What the OS and other services need is not in it.
+    memory_mb: PositiveInt
+    device: str | None = None  # free text for people: "jetson-orin-nano", "rpi5"
+    # Compute relative to the machine `edgebus plan` profiles on; only the
+    # ratios between boxes change the plan.
+    speed: PositiveFloat = 1.0
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        return check_level(name, "box name")
+
+
+class Liveness(_Section):
+    """How agents show they are alive, and how soon a silent one counts as dead."""
+
+    # Status refresh period: often enough for a live chart, rare enough to cost nothing.
+    heartbeat_s: PositiveFloat = 2.0
+    # A node silent this long is dead and its requests fail over. Three missed
+    # heartbeats: one late message on a busy broker is not a failure.
+    timeout_s: PositiveFloat = 6.0
+    # How long a request waits for a stage with no live node to get one back
+    # before it fails: a systemd restart reloads a stage in seconds, and at
+    # plant start-up big stages may still be loading their layers.
+    stage_wait_s: PositiveFloat = 30.0
+
+    @model_validator(mode="after")
+    def _timeout_above_heartbeat(self) -> Liveness:
+        if self.timeout_s <= self.heartbeat_s:
+            raise Problems([Problem(("timeout_s",), f"{self.timeout_s} s is not longer than "
+                                    f"heartbeat_s ({self.heartbeat_s} s): every node would count "
+                                    "as dead between heartbeats — use at least 3x heartbeat_s")])
+        return self
+
+
+class BrokerTls(_Section):
+    """The broker's TLS listener: files on the broker's box, for `broker mosquitto-config`."""
+
+    cafile: ResolvedPath  # the CA that signed certfile (and, with mutual TLS, every client's)
+    certfile: ResolvedPath
+    keyfile: ResolvedPath
+    # Mutual TLS: every client must also present a certificate signed by cafile,
+    # read from the credentials directory as <identity>.crt and <identity>.key.
+    require_certificate: bool = False
+
+
+class Security(_Section):
+    """Who may connect and what each identity may do; switches anonymous access off.
+
+    Every agent connects as its own id (stage nodes, the coordinator), with the
+    password in `credentials/<id>.password`. The plant file is shared by every
+    box, so it names the identities and where their secrets are, never the secrets.
+    """
+
+    credentials: ResolvedPath  # directory of <identity>.password files, mode 0600
+    gateways: list[str] = []  # PLC/SCADA clients: request/<id> out, response/<id>/# in
+    ops: list[str] = []  # read-only: status, events, plan (MQTT Explorer, `edgebus status`)
+    # The broker's password file in mosquitto_passwd format: only the embedded
+    # broker reads it (Mosquitto has password_file in its own config).
+    password_file: ResolvedPath | None = None
+    tls: BrokerTls | None = None
+
+    @field_validator("gateways", "ops")
+    @classmethod
+    def _check_ids(cls, ids: list[str]) -> list[str]:
+        for identity in ids:
+            check_level(identity, "identity")
+        return ids
 
 
 class CoordinatorSpec(_Section):
@@ -229,10 +328,17 @@ class Plant(_Section):
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
     model: ResolvedPath  # model directory in HF layout
     wire_dtype: Literal["float16", "float32"] = "float16"  # activations between stages
+    # The hardware each stage node runs on, for `edgebus plan`; None: not described.
+    boxes: list[BoxSpec] | None = None
     # In pipeline order: stage 0 also owns the token embedding, the last one
     # also the final norm and the LM head.
     stages: list[StageSpec]
     coordinator: CoordinatorSpec = Field(default_factory=CoordinatorSpec)
+    liveness: Liveness = Field(default_factory=Liveness)
+    # Line brokers by name, each bridged to `broker` (the site broker); a stage
+    # node with `broker: NAME` connects to that one.
+    brokers: dict[str, BrokerSettings] = {}
+    security: Security | None = None
 
     @field_validator("plant_id")
     @classmethod
@@ -280,6 +386,146 @@ class Plant(_Section):
                                     "coordinator needs an id of its own")])
         return self
 
+    @model_validator(mode="after")
+    def _check_boxes(self) -> Plant:
+        # One box per stage node and one node per box: the planner gives each box a place
+        # in the pipeline through its stage entry.
+        if self.boxes is None:
+            return self
+        problems: list[Problem] = []
+        seen: set[str] = set()
+        nodes = [stage.node for stage in self.stages]
+        for index, box in enumerate(self.boxes):
+            if box.name in seen:
+                problems.append(Problem(("boxes", index, "name"), f"{box.name!r} is listed "
+                                        "twice — box names must be distinct"))
+            elif box.name not in nodes:
+                problems.append(Problem(("boxes", index, "name"), f"{box.name!r} runs no stage "
+                                        f"— add a stage with node: {box.name} or remove the box"))
+            seen.add(box.name)
+        problems.extend(Problem(("stages", index, "node"), f"{node!r} has no box — add one to "
+                                "boxes: (name, memory_mb, speed) or remove boxes:")
+                        for index, node in enumerate(nodes) if node not in seen)
+        if problems:
+            raise Problems(problems)
+        return self
+
+    @model_validator(mode="after")
+    def _check_brokers_and_security(self) -> Plant:
+        problems: list[Problem] = []
+        for name, settings in self.brokers.items():
+            try:
+                # It becomes part of an identity, which is a topic level.
+                check_level(name, "broker name")
+            except ValueError as exc:
+                problems.append(Problem(("brokers", name), str(exc)))
+            if settings.embedded:
+                problems.append(Problem(("brokers", name, "url"), "a line broker must be an "
+                                        "mqtt:// or mqtts:// URL: bridging to the site broker is "
+                                        "Mosquitto's (`edgebus broker mosquitto-config --broker "
+                                        f"{name}`)"))
+        for index, stage in enumerate(self.stages):
+            if stage.broker is not None and stage.broker not in self.brokers:
+                known = ", ".join(repr(n) for n in self.brokers) or "none"
+                problems.append(Problem(("stages", index, "broker"), f"{stage.broker!r} is not "
+                                        f"in brokers: (names there: {known}) — add it there or "
+                                        "remove broker: to use the plant's broker"))
+        if self.security is not None:
+            problems.extend(self._security_problems(self.security))
+        if problems:
+            raise Problems(problems)
+        return self
+
+    def _security_problems(self, security: Security) -> list[Problem]:
+        problems: list[Problem] = []
+        seen: dict[str, str] = {}
+        for identity, what in self._identity_list():
+            if identity in seen:
+                problems.append(Problem(("security",), f"{identity!r} is both {seen[identity]} "
+                                        f"and {what} — every identity needs a name of its own"))
+            seen.setdefault(identity, what)
+        if self.broker.embedded and security.password_file is None:
+            problems.append(Problem(("security", "password_file"), "required with the embedded "
+                                    "broker, which checks passwords against it — write it with "
+                                    "`edgebus broker mosquitto-config PLANT OUTDIR` and name "
+                                    "OUTDIR/passwd here"))
+        for loc, settings in [(("broker",), self.broker),
+                              *((("brokers", name), b) for name, b in self.brokers.items())]:
+            if settings.username is not None or settings.password is not None:
+                problems.append(Problem((*loc, "username"), "security: gives every identity "
+                                        "its own user name and password — remove the shared "
+                                        "ones (also from the url)"))
+        if security.tls is not None and not self.broker.endpoint().tls:
+            problems.append(Problem(("security", "tls"), "the broker's url is not mqtts:// — "
+                                    "use mqtts://host:8883 so agents connect over TLS, or "
+                                    "remove tls:"))
+        return problems
+
+    def identities(self) -> dict[str, str]:
+        """Every MQTT identity of the plant, by id, with what it is ("a stage node", ...)."""
+        return dict(self._identity_list())
+
+    def _identity_list(self) -> list[tuple[str, str]]:
+        # A list, not a dict: validation must see an id given twice.
+        security = self.security
+        return [*((stage.node, "a stage node") for stage in self.stages),
+                (self.coordinator.id, "the coordinator"),
+                *((g, "a gateway") for g in (security.gateways if security else [])),
+                *((o, "an ops identity") for o in (security.ops if security else [])),
+                *((self.bridge_identity(name), f"the bridge of broker {name!r}")
+                  for name in self.brokers)]
+
+    @staticmethod
+    def bridge_identity(broker_name: str) -> str:
+        """The identity a line broker's bridge logs into the site broker with."""
+        return f"bridge-{broker_name}"
+
+    def broker_of(self, identity: str) -> BrokerSettings:
+        """The broker `identity` connects to: a stage node's `broker:`, else the plant's."""
+        for stage in self.stages:
+            if stage.node == identity and stage.broker is not None:
+                return self.brokers[stage.broker]
+        return self.broker
+
+    def endpoint_for(self, identity: str) -> BrokerEndpoint:
+        """How `identity` (an agent, gateway or ops id) connects: its broker and credentials.
+
+        Without `security:` every identity uses the broker section's shared
+        credentials; with it, its own user name (= its id) and the password in
+        `security.credentials/<id>.password` (and, for mutual TLS, its
+        certificate and key beside it).
+        """
+        endpoint = self.broker_of(identity).endpoint()
+        if self.security is None:
+            return endpoint
+        if identity not in self.identities():
+            raise PlantConfigError(
+                f"{identity!r} is not an identity of plant {self.plant_id!r} "
+                f"(known: {', '.join(sorted(self.identities()))}) — add it to security.gateways "
+                "or security.ops")
+        credentials, tls = self.security.credentials, self.security.tls
+        cert_file, key_file = credentials / f"{identity}.crt", credentials / f"{identity}.key"
+        mutual = tls is not None and tls.require_certificate
+        if tls is not None and mutual and not (cert_file.is_file() and key_file.is_file()):
+            raise PlantConfigError(
+                f"security.tls.require_certificate is on, but {identity!r} has no client "
+                f"certificate: {cert_file} and {key_file} must exist — issue them from "
+                f"{tls.cafile} (docs/deploy.md, 'Mutual TLS')")
+        # A password is never logged: BrokerEndpoint leaves it out of its repr.
+        return replace(endpoint, username=identity, password=read_password(credentials, identity),
+                       cert_file=cert_file if mutual else None,
+                       key_file=key_file if mutual else None)
+
+    def ops_endpoint(self) -> BrokerEndpoint:
+        """How a tool that only watches statuses and the plan (`up`, `status`) connects."""
+        if self.security is None:
+            return self.broker.endpoint()
+        if not self.security.ops:
+            raise PlantConfigError("security.ops is empty, and watching the plant's statuses "
+                                   "needs an ops identity — add one, e.g. `ops: [ops]`, and run "
+                                   "`edgebus broker mosquitto-config` again")
+        return self.endpoint_for(self.security.ops[0])
+
     @property
     def topics(self) -> Topics:
         return Topics(self.topic_root)
@@ -288,11 +534,40 @@ class Plant(_Section):
     def num_layers(self) -> int:
         return self.stages[-1].layers[1]
 
-    def stage_index(self, node_id: str) -> int:
-        for index, stage in enumerate(self.stages):
-            if stage.node == node_id:
-                return index
+    @property
+    def pipeline(self) -> list[PipelineStage]:
+        """The stages in order, each with its replica nodes (adjacent entries, same layers)."""
+        result: list[PipelineStage] = []
+        for spec in self.stages:
+            if result and result[-1].layers == spec.layers:
+                result[-1].nodes.append(spec)
+            else:
+                result.append(PipelineStage(len(result), spec.layers, [spec]))
+        return result
+
+    def node(self, node_id: str) -> StageSpec:
+        for spec in self.stages:
+            if spec.node == node_id:
+                return spec
         known = ", ".join(repr(stage.node) for stage in self.stages)
         raise PlantConfigError(f"{node_id!r} is not a stage node of plant {self.plant_id!r}; "
                                f"its stage nodes are {known}")
+
+    def stage_index(self, node_id: str) -> int:
+        """The pipeline position of the stage `node_id` is a node of."""
+        layers = self.node(node_id).layers
+        return next(stage.index for stage in self.pipeline if stage.layers == layers)
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage of the pipeline: a layer range and the nodes (replicas) that can run it."""
+
+    index: int
+    layers: tuple[int, int]
+    nodes: list[StageSpec]
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [spec.node for spec in self.nodes]
 

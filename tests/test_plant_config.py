@@ -189,6 +189,34 @@ def test_out_of_order_and_empty_range(tmp_path: Path, model_dir: Path) -> None:
     assert "stages[1].layers: [10, 10] holds no layer" in load_error(path)
 
 
+def test_adjacent_nodes_with_the_same_layers_are_replicas(tmp_path: Path,
+                                                          model_dir: Path) -> None:
+    plant = load_plant(write_yaml(tmp_path, plant_dict(stages=stages(
+        (0, 10), (10, 20), (10, 20), (20, 30)))))
+    assert [(s.index, s.layers, s.node_ids) for s in plant.pipeline] == [
+        (0, (0, 10), ["stage-0"]), (1, (10, 20), ["stage-1", "stage-2"]),
+        (2, (20, 30), ["stage-3"])]
+    assert plant.stage_index("stage-2") == 1 and plant.stage_index("stage-3") == 2
+
+
+def test_replicas_apart_from_each_other_are_refused(tmp_path: Path, model_dir: Path) -> None:
+    path = write_yaml(tmp_path, plant_dict(stages=stages((0, 10), (10, 30), (0, 10))))
+    assert "stage's replicas next to each other" in load_error(path)
+
+
+def test_init_writes_replicas(tmp_path: Path, model_dir: Path) -> None:
+    plant = init_plant_file(tmp_path / "plant.yaml", model_dir, stages=2, replicas=2)
+    assert [s.node_ids for s in plant.pipeline] == [["stage-0-a", "stage-0-b"],
+                                                    ["stage-1-a", "stage-1-b"]]
+    with pytest.raises(PlantConfigError, match=r"replicas must be 1\.\.8"):
+        make_plant(model_dir, replicas=9)
+
+
+def test_liveness_timeout_must_outlast_heartbeats(tmp_path: Path, model_dir: Path) -> None:
+    path = write_yaml(tmp_path, plant_dict(liveness={"heartbeat_s": 5, "timeout_s": 5}))
+    assert "liveness.timeout_s: 5.0 s is not longer than heartbeat_s" in load_error(path)
+
+
 def test_duplicate_node_ids(tmp_path: Path, model_dir: Path) -> None:
     data = plant_dict()
     data["stages"][2]["node"] = "stage-0"
