@@ -10,6 +10,11 @@ What it adds, and why:
   restart for an update must not need a person to restart every box.
 - A clean close publishes "offline" itself, because a clean DISCONNECT makes the
   broker discard the Will.
+- Optionally a persistent session (the coordinator's), so QoS 1 requests that
+  arrive while the agent is down wait in the broker instead of vanishing.
+- An unbounded incoming queue: aiomqtt drops messages it has already
+  acknowledged when a bounded queue is full, which would lose QoS 1 requests
+  silently. Agents bound their memory by answering (a "busy" error) instead.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import logging
 import random
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edgebus.errors import BusError
@@ -39,6 +47,10 @@ RECONNECT_MAX_S = 10.0
 PUBLISH_WAIT_S = 30.0
 # How long a clean close waits for the broker to ack the "offline" status.
 CLOSE_TIMEOUT_S = 2.0
+# How long the broker keeps a persistent session (MQTT 5) after a disconnect:
+# a day covers a coordinator box being down over a shift; requests queued
+# longer than that are better re-sent by the gateway.
+SESSION_EXPIRY_S = 24 * 3600
 # CONNACK codes that no amount of retrying fixes (MQTT 3.1.1 and 5).
 _FATAL_CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
                   4: "bad user name or password", 5: "not authorised",
@@ -50,11 +62,30 @@ MessageHandler = Callable[[aiomqtt.Message], None]
 
 @dataclass
 class Presence:
-    """Retained status topic with the payloads for birth and death."""
+    """Retained status topic with the payloads for birth and death.
+
+    `payload(state, bdseq)` builds either. `bdseq` numbers the MQTT sessions
+    (Sparkplug's birth/death sequence): a Will is fixed at connect time, so
+    BusClient starts a new number before each connect, and that connection's
+    Will and births carry it. A consumer can then tell the late Will of an old
+    connection from the death of the current one.
+    """
 
     topic: str
-    online: Callable[[], bytes]
-    offline: Callable[[], bytes]
+    payload: Callable[[Literal["online", "offline"], int], bytes]
+    bdseq: int = 0
+
+    def next_session(self) -> None:
+        # The first number is the wall clock in ms, so numbers keep rising
+        # across process restarts too: a restarted agent must not reuse a
+        # number that its predecessor's Will may still carry.
+        self.bdseq = self.bdseq + 1 if self.bdseq else time.time_ns() // 1_000_000
+
+    def online(self) -> bytes:
+        return self.payload("online", self.bdseq)
+
+    def offline(self) -> bytes:
+        return self.payload("offline", self.bdseq)
 
 
 @dataclass
@@ -65,6 +96,11 @@ class BusClient:
     client_id: str
     subscriptions: list[tuple[str, int]] = field(default_factory=list)
     presence: Presence | None = None
+    # Keep subscriptions and queued QoS 1 messages across disconnects.
+    persistent: bool = False
+    # Called after every (re)connect, once subscribed: a reconnect may have lost
+    # messages in flight (the broker restarted), so the agent may need to resend.
+    on_connect: list[Callable[[], None]] = field(default_factory=list)
     _client: aiomqtt.Client | None = field(default=None, init=False)
     _connected: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
@@ -72,20 +108,36 @@ class BusClient:
     def mqtt5(self) -> bool:
         return self.endpoint.protocol == "5"
 
+    @property
+    def connected(self) -> bool:
+        """Whether the broker connection is up, subscribed and announced, right now."""
+        return self._connected.is_set()
+
     def _make_client(self) -> aiomqtt.Client:
         ep = self.endpoint
         will = None
         if self.presence is not None:
+            self.presence.next_session()
             will = aiomqtt.Will(self.presence.topic, self.presence.offline(), qos=1, retain=True)
         tls_context = None
         if ep.tls:
             tls_context = ssl.create_default_context(
                 cafile=str(ep.ca_file) if ep.ca_file else None)
+            if ep.cert_file is not None:  # mutual TLS
+                tls_context.load_cert_chain(ep.cert_file, ep.key_file)
+        session: dict[str, object] = {}
+        if self.persistent and self.mqtt5:
+            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = SESSION_EXPIRY_S
+            session = {"clean_start": False, "properties": props}
+        elif self.persistent:
+            session = {"clean_session": False}
         return aiomqtt.Client(
             ep.host, ep.port, username=ep.username, password=ep.password,
             identifier=self.client_id, will=will, keepalive=ep.keepalive_s,
             protocol=aiomqtt.ProtocolVersion.V5 if self.mqtt5 else aiomqtt.ProtocolVersion.V311,
-            tls_context=tls_context, socket_options=[NODELAY])
+            tls_context=tls_context, socket_options=[NODELAY],
+            max_queued_incoming_messages=0, **session)  # type: ignore[arg-type]
 
     async def run(self, handler: MessageHandler) -> None:
         """Connect, subscribe, announce, and feed messages to `handler` until cancelled.
@@ -107,7 +159,9 @@ class BusClient:
                         self._connected.clear()
                         self._client = None
             except aiomqtt.MqttCodeError as exc:
-                reason = _FATAL_CONNACK.get(int(exc.rc)) if isinstance(exc.rc, int) else None
+                # MQTT 3.1.1 gives an int, MQTT 5 a paho ReasonCode (its number in .value).
+                code = exc.rc if isinstance(exc.rc, int) else getattr(exc.rc, "value", None)
+                reason = _FATAL_CONNACK.get(code) if isinstance(code, int) else None
                 if reason is not None:
                     raise BusError(f"broker {self.endpoint.host}:{self.endpoint.port} refused "
                                    f"{self.client_id!r}: {reason}. Check the plant file's broker "
@@ -135,6 +189,8 @@ class BusClient:
         self._connected.set()
         log.info("connected to %s:%d as %s", self.endpoint.host, self.endpoint.port,
                  self.client_id)
+        for callback in self.on_connect:
+            callback()
 
     async def wait_connected(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._connected.wait(), timeout)

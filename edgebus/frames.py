@@ -2,10 +2,11 @@
 
     offset size  field
     0      4     magic  b"EBF\\x00"
-    4      1     version (1)
-    5      1     kind    TOKENS | HIDDEN | CANDIDATES
+    4      1     version (2)
+    5      1     kind    TOKENS | HIDDEN | CANDIDATES | RELEASE | ERROR
     6      1     dtype   code of the payload's element type
-    7      1     flags   bit 0: payload is LZ4-compressed
+    7      1     flags   bit 0: payload is LZ4-compressed; bit 1: prefill (prompt or
+                 replay positions, any count) rather than one decode step
     8      8     request sequence id (u64, assigned by the coordinator)
     16     4     route epoch (u32): frames of an abandoned route are recognisable
     20     4     step (u32): 0 = prefill, n = n-th decode step
@@ -14,11 +15,16 @@
     32     2     candidates the last stage should return (1 = greedy argmax,
                  0 = none: a prefill chunk that is not the prompt's last)
     34     1     ndim (1..3)
-    35     1     reserved (0)
+    35     1     route length R: the number of stages
     36     12    shape, 3 x u32 (unused dims 0)
     48     4     payload bytes on the wire
-    52     4     CRC-32 of header bytes 0..51 and the wire payload
-    56     ...   payload
+    52     4     CRC-32 of header bytes 0..51, the route and the wire payload
+    56     R     route: the replica index of the node chosen at each stage
+    56+R   ...   payload
+
+The route travels with every frame, so a stage needs no per-request routing
+state to know which replica of the next stage holds the request's KV cache:
+the coordinator picks the chain, and a failover is a new route and epoch.
 
 An MQTT message carries one frame or several back to back: a stage sends a
 batched decode step's rows as one message (one broker hop, not B).
@@ -28,7 +34,8 @@ block when that is meaningfully smaller. Hidden states of a trained model are
 close to incompressible FP16 (measured: LZ4 saves ~0 %), so we try LZ4 only on
 payloads big enough to matter and send raw otherwise, without an extra copy.
 A CANDIDATES payload is `count x k` int32 token ids followed by as many float32
-logits: the top-k the coordinator samples from, not the whole vocabulary.
+logits: the top-k the coordinator samples from, not the whole vocabulary. An
+ERROR payload is UTF-8 text: why a stage gave up on the request.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import torch
 from edgebus.errors import FrameError
 
 MAGIC = b"EBF\x00"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sBBBBQIIIIHBB3III")
 HEADER_SIZE = _HEADER.size  # 56
 _CRC_SPAN = HEADER_SIZE - 4
@@ -67,6 +74,7 @@ class Kind(enum.IntEnum):
     HIDDEN = 2      # hidden states between stages
     CANDIDATES = 3  # top-k (ids, logits) from the last stage to the coordinator
     RELEASE = 4     # the request is over: free its KV cache (empty payload)
+    ERROR = 5       # a stage gave up on the request (UTF-8 reason), to the coordinator
 
 
 class DType(enum.IntEnum):
@@ -75,13 +83,17 @@ class DType(enum.IntEnum):
     BFLOAT16 = 3
     INT32 = 4
     CANDIDATES = 5  # int32 ids then float32 logits, same shape each
+    UTF8 = 6
 
 
 _TORCH_DTYPES = {DType.FLOAT16: torch.float16, DType.FLOAT32: torch.float32,
                  DType.BFLOAT16: torch.bfloat16, DType.INT32: torch.int32}
 _ITEM_SIZE = {DType.FLOAT16: 2, DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.INT32: 4,
-              DType.CANDIDATES: 8}
+              DType.CANDIDATES: 8, DType.UTF8: 1}
 FLAG_LZ4 = 0x01
+FLAG_PREFILL = 0x02
+# A route names one node per stage in a byte; no plant has 256 stages or replicas.
+MAX_ROUTE = 255
 
 
 def dtype_code(dtype: torch.dtype) -> DType:
@@ -105,6 +117,8 @@ class Frame:
     candidates: int
     shape: tuple[int, ...]
     payload: bytes | memoryview
+    route: tuple[int, ...] = ()
+    prefill: bool = False
     compressed: bool = False
     wire_bytes: int = 0
 
@@ -122,9 +136,27 @@ class Frame:
         logits = np.frombuffer(self.payload, dtype="<f4", offset=half).reshape(self.shape)
         return ids, logits
 
+    def text(self) -> str:
+        """The reason an ERROR frame carries."""
+        return bytes(self.payload).decode("utf-8", errors="replace")
 
-def encode(kind: Kind, tensor: torch.Tensor, *, request: int, epoch: int, step: int,
-           start: int, candidates: int = 1) -> bytes:
+
+@dataclass(frozen=True)
+class Header:
+    """Which request, route attempt and position a frame belongs to."""
+
+    request: int
+    epoch: int
+    step: int
+    route: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, frame: Frame) -> Header:
+        return cls(frame.request, frame.epoch, frame.step, frame.route)
+
+
+def encode(kind: Kind, tensor: torch.Tensor, header: Header, *, start: int,
+           candidates: int = 1, prefill: bool = False) -> bytes:
     """Frame one tensor (TOKENS: [1, T] ints, HIDDEN: [1, T, H] floats)."""
     if kind == Kind.TOKENS:
         tensor = tensor.to(torch.int32)
@@ -133,40 +165,50 @@ def encode(kind: Kind, tensor: torch.Tensor, *, request: int, epoch: int, step: 
     raw = tensor.view(torch.uint8).numpy().data if tensor.dtype == torch.bfloat16 \
         else tensor.numpy().data
     count = tensor.shape[1] if tensor.dim() >= 2 else tensor.shape[0]
-    return _pack(kind, code, raw.cast("B"), tuple(tensor.shape), request=request, epoch=epoch,
-                 step=step, start=start, count=count, candidates=candidates)
+    return _pack(kind, code, raw.cast("B"), tuple(tensor.shape), header, start=start,
+                 count=count, candidates=candidates, prefill=prefill)
 
 
-def encode_candidates(ids: torch.Tensor, logits: torch.Tensor, *, request: int, epoch: int,
-                      step: int, start: int) -> bytes:
+def encode_candidates(ids: torch.Tensor, logits: torch.Tensor, header: Header, *,
+                      start: int) -> bytes:
     """Frame the last stage's top-k: ids and logits are [rows, k]."""
     payload = (ids.to(torch.int32).contiguous().numpy().tobytes()
                + logits.to(torch.float32).contiguous().numpy().tobytes())
     return _pack(Kind.CANDIDATES, DType.CANDIDATES, memoryview(payload), tuple(ids.shape),
-                 request=request, epoch=epoch, step=step, start=start, count=1,
-                 candidates=ids.shape[-1])
+                 header, start=start, count=1, candidates=ids.shape[-1])
 
 
-def encode_release(*, request: int, epoch: int) -> bytes:
-    """Tell a stage the request has ended so it frees the KV cache."""
-    return _pack(Kind.RELEASE, DType.INT32, memoryview(b""), (0,), request=request, epoch=epoch,
-                 step=0, start=0, count=0, candidates=0)
+def encode_release(header: Header) -> bytes:
+    """Tell a stage the request's route `header.epoch` has ended, so it frees the KV cache."""
+    return _pack(Kind.RELEASE, DType.INT32, memoryview(b""), (0,), header, start=0, count=0,
+                 candidates=0)
 
 
-def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], *, request: int,
-          epoch: int, step: int, start: int, count: int, candidates: int) -> bytes:
+def encode_error(header: Header, reason: str) -> bytes:
+    """Tell the coordinator why a stage gave up on the request."""
+    text = reason.encode("utf-8")
+    return _pack(Kind.ERROR, DType.UTF8, memoryview(text), (len(text),), header, start=0,
+                 count=0, candidates=0)
+
+
+def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], header: Header, *,
+          start: int, count: int, candidates: int, prefill: bool = False) -> bytes:
     if not 1 <= len(shape) <= 3:
         raise FrameError(f"a frame carries a 1-3 dimensional tensor, got shape {shape}")
-    flags, wire = 0, raw
+    if len(header.route) > MAX_ROUTE or any(not 0 <= r <= MAX_ROUTE for r in header.route):
+        raise FrameError(f"route {header.route} does not fit a frame")
+    flags, wire = FLAG_PREFILL if prefill else 0, raw
     if len(raw) >= LZ4_MIN_BYTES:
         packed = lz4.block.compress(raw, store_size=False)
         if len(packed) <= len(raw) * (1 - LZ4_MIN_SAVING):
-            flags, wire = FLAG_LZ4, memoryview(packed)
+            flags, wire = flags | FLAG_LZ4, memoryview(packed)
     dims = (*shape, *([0] * (3 - len(shape))))
-    header = _HEADER.pack(MAGIC, VERSION, kind, code, flags, request, epoch, step, start, count,
-                          candidates, len(shape), 0, *dims, len(wire), 0)
-    crc = zlib.crc32(wire, zlib.crc32(header[:_CRC_SPAN]))
-    return b"".join((header[:_CRC_SPAN], crc.to_bytes(4, "little"), wire))
+    packed_header = _HEADER.pack(MAGIC, VERSION, kind, code, flags, header.request, header.epoch,
+                                 header.step, start, count, candidates, len(shape),
+                                 len(header.route), *dims, len(wire), 0)
+    route = bytes(header.route)
+    crc = zlib.crc32(wire, zlib.crc32(route, zlib.crc32(packed_header[:_CRC_SPAN])))
+    return b"".join((packed_header[:_CRC_SPAN], crc.to_bytes(4, "little"), route, wire))
 
 
 def decode(data: bytes) -> Frame:
@@ -208,8 +250,8 @@ def _decode_at(data: bytes, offset: int) -> tuple[Frame, int]:
     if len(data) - offset < HEADER_SIZE:
         raise FrameError(f"frame of {len(data) - offset} bytes is shorter than the "
                          f"{HEADER_SIZE}-byte header")
-    (magic, version, kind, code, flags, request, epoch, step, start, count, candidates, ndim, _,
-     d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data, offset)
+    (magic, version, kind, code, flags, request, epoch, step, start, count, candidates, ndim,
+     route_len, d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data, offset)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}: not an edgebus activation frame")
     if version != VERSION:
@@ -219,13 +261,14 @@ def _decode_at(data: bytes, offset: int) -> tuple[Frame, int]:
         raise FrameError(f"unknown frame kind {kind} or dtype {code}")
     if not 1 <= ndim <= 3:
         raise FrameError(f"frame ndim {ndim} outside 1..3")
-    end = offset + HEADER_SIZE + wire_len
+    body = offset + HEADER_SIZE + route_len
+    end = body + wire_len
     if end > len(data):
-        raise FrameError(f"frame says {wire_len} payload bytes but carries "
-                         f"{len(data) - offset - HEADER_SIZE}: truncated")
+        raise FrameError(f"frame says {route_len} route and {wire_len} payload bytes but "
+                         f"carries {len(data) - offset - HEADER_SIZE}: truncated")
     view = memoryview(data)
-    wire = view[offset + HEADER_SIZE:end]
-    if zlib.crc32(wire, zlib.crc32(view[offset:offset + _CRC_SPAN])) != crc:
+    route, wire = view[offset + HEADER_SIZE:body], view[body:end]
+    if zlib.crc32(wire, zlib.crc32(route, zlib.crc32(view[offset:offset + _CRC_SPAN]))) != crc:
         raise FrameError("frame checksum mismatch: corrupted in transit")
     shape = (d0, d1, d2)[:ndim]
     raw_len = math.prod(shape) * _ITEM_SIZE[DType(code)]
@@ -240,5 +283,6 @@ def _decode_at(data: bytes, offset: int) -> tuple[Frame, int]:
     if len(payload) != raw_len:
         raise FrameError(f"payload holds {len(payload)} bytes, shape {shape} needs {raw_len}")
     frame = Frame(Kind(kind), DType(code), request, epoch, step, start, count, candidates, shape,
-                  payload, bool(flags & FLAG_LZ4), end - offset)
+                  payload, tuple(route), bool(flags & FLAG_PREFILL), bool(flags & FLAG_LZ4),
+                  end - offset)
     return frame, end

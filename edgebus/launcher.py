@@ -113,8 +113,9 @@ class PlantProcesses:
         # at once: one per core, not one per stage (measured, 3 stages on 2
         # cores, 16 requests: 1 group 62-65 tok/s, 2 groups 71-94, 3 groups
         # 72-74). Pinned stages stand for boxes and keep one group per stage.
-        shared = str(max(1, cores() // len(plant.stages)))
-        groups = [] if cpus else ["--batch-groups", str(min(len(plant.stages), cores()))]
+        # Standby replicas idle until a failover, so the cores go by stage, not by node.
+        shared = str(max(1, cores() // len(plant.pipeline)))
+        groups = [] if cpus else ["--batch-groups", str(min(len(plant.pipeline), cores()))]
         children += [self._child(stage.node, "stage",
                                  [*command, "node", str(plant_path), "--id", stage.node,
                                   "--threads", str(stage.threads or shared), *groups])
@@ -198,7 +199,7 @@ class PlantProcesses:
                 if on_online is not None:
                     on_online(status.agent_id)
 
-        endpoint = self.plant.broker.endpoint()
+        endpoint = self.plant.ops_endpoint()
         bus = BusClient(endpoint, f"{self.plant.plant_id}.up-{secrets.token_hex(4)}",
                         subscriptions=[(topics.status_filter, 1)])
         runner = asyncio.create_task(bus.run(on_message))
@@ -381,10 +382,11 @@ def _forward(stream: IO[bytes], sink: TextIO, child: _Child) -> None:
 
 
 def _mqtt_accepts(host: str, port: int) -> bool:
-    """Whether an MQTT broker at host:port accepts an anonymous MQTT 3.1.1 CONNECT.
+    """Whether an MQTT broker at host:port answers an anonymous MQTT 3.1.1 CONNECT.
 
     A full handshake rather than a bare TCP connect: amqtt logs an error for
-    every connection that closes without sending a CONNECT.
+    every connection that closes without sending a CONNECT. A refusal counts:
+    a secured broker refuses anonymous clients, and answering shows it is up.
     """
     client_id = f"edgebus-up-probe-{os.getpid()}".encode()
     # Protocol name "MQTT", level 4 (3.1.1), clean session, keepalive 0; then the client id.
@@ -397,7 +399,7 @@ def _mqtt_accepts(host: str, port: int) -> bool:
             sock.sendall(b"\xe0\x00")  # DISCONNECT
     except OSError:
         return False
-    return connack == b"\x20\x02\x00\x00"  # CONNACK, return code 0: accepted
+    return connack[:2] == b"\x20\x02"  # CONNACK, whatever its return code
 
 
 # -- `edgebus up` ------------------------------------------------------------------

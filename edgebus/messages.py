@@ -119,8 +119,30 @@ class AgentStatus(BaseModel):
     host: str
     version: str
     ts: float = Field(default_factory=time.time)
+    # Birth/death sequence (Sparkplug's bdSeq): one more on every (re)connect,
+    # and a Will carries its birth's. A new bdseq means a new MQTT session.
+    bdseq: int = 0
+    rss_bytes: int | None = None  # resident memory; None off Linux
+    uptime_s: float | None = None  # since the agent process started, loading included
+    last_error: str | None = None  # the last error event this agent published
+    last_error_ts: float | None = None
     # Counters an operator can chart in MQTT Explorer, e.g. compute_s, rows, in_flight.
     metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class PlanStage(BaseModel):
+    index: int
+    layers: list[int]  # [first, last + 1)
+    nodes: list[str]  # the nodes that can run it: replicas, in the plant file's order
+
+
+class Plan(BaseModel):
+    """The active partition, retained on `{root}/plan` by the coordinator."""
+
+    plant_id: str
+    coordinator: str
+    stages: list[PlanStage]
+    ts: float = Field(default_factory=time.time)
 
 
 class Event(BaseModel):

@@ -6,6 +6,7 @@
     {root}/act/{node_id}                      binary activation frames into one agent
     {root}/status/{agent_id}                  retained JSON status, Last Will
     {root}/events                             joins, leaves, errors (JSON)
+    {root}/plan                               retained JSON: the active partition
 
 Activations live under their own `act/` branch so an operator can subscribe to
 `{root}/status/#` and `{root}/events` in MQTT Explorer without binary noise.
@@ -53,6 +54,10 @@ class Topics:
         return (f"{self.root}/llm/response/{check_level(client_id, 'client id')}/"
                 f"{check_level(request_id, 'request id')}")
 
+    def response_filter(self, client_id: str) -> str:
+        """Every response and stream topic of one gateway client."""
+        return f"{self.root}/llm/response/{check_level(client_id, 'client id')}/#"
+
     def stream(self, client_id: str, request_id: str) -> str:
         return self.response(client_id, request_id) + "/stream"
 
@@ -69,3 +74,7 @@ class Topics:
     @property
     def events(self) -> str:
         return f"{self.root}/events"
+
+    @property
+    def plan(self) -> str:
+        return f"{self.root}/plan"

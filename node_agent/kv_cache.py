@@ -5,6 +5,13 @@ what it returns, so this class is all a stage needs to give them memory. It
 keeps only the layers this stage owns, indexed by their *global* layer number
 (that is what `self_attn.layer_idx` holds).
 
+What a layer hands `update` is its business: keys and values
+[b, kv_heads, t, head_dim] for Llama-shaped attention; for multi-head latent
+attention (DeepSeek-V2/V3) the compressed latent [b, 1, t, kv_lora_rank] and
+the rotary key [b, 1, t, qk_rope_head_dim], expanded into per-head keys and
+values only after the cache (a quarter of the expanded form's bytes in the tiny
+test model, 1/71 in DeepSeek-V3's shapes). Both grow along positions, dim 2.
+
 Keys and values are kept contiguous and grow by concatenation, as HF's
 DynamicCache does, so the attention kernels see exactly the layout they see
 under `generate`: token-exactness depends on the same kernels doing the same
@@ -13,16 +20,21 @@ sums. The copy costs ~1 % of a decode step at a few hundred positions.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 
 class KVCache:
-    """Keys and values of one request, for one stage's layers."""
+    """Keys and values of one request's route `epoch`, for one stage's layers."""
 
-    def __init__(self) -> None:
-        # layer_idx -> [batch, kv_heads, positions, head_dim]
+    def __init__(self, epoch: int = 0) -> None:
+        self.epoch = epoch
+        # When a forward pass last used it (time.monotonic()): an idle cache
+        # belongs to a request its coordinator abandoned.
+        self.touched = time.monotonic()
+        # layer_idx -> [batch, kv_heads, positions, head_dim] (or MLA's latents, see above)
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
         # Bytes held, kept as a plain int so another thread can read it safely.
@@ -43,3 +55,23 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Token positions cached so far (the same for every layer between steps)."""
         return max((k.shape[2] for k in self._keys.values()), default=0)
+
+
+# Stages keep keys and values in float32, the dtype their activations run in.
+KV_ITEM_BYTES = 4
+
+
+def kv_bytes_per_token(config: Any, layers: tuple[int, int]) -> int:
+    """Bytes one position adds to a request's cache on a stage running `layers`.
+
+    The coordinator reserves this times a request's longest length on every
+    node of its route; a node refuses prefills past its budget.
+    """
+    heads: int = config.num_attention_heads
+    width: int
+    if getattr(config, "kv_lora_rank", None):  # MLA (DeepSeek-V2/V3) caches latents, see above
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        width = 2 * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    return (layers[1] - layers[0]) * width * KV_ITEM_BYTES

@@ -8,13 +8,17 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Literal
+from typing import Any, Literal
 
+from edgebus import sd_notify
 from edgebus.client import BusClient, Presence
-from edgebus.messages import AgentStatus, Event
+from edgebus.messages import AgentStatus, Event, Plan, PlanStage
 from edgebus.topics import Topics
+from plant_config import Plant
 
 log = logging.getLogger(__name__)
 
@@ -24,31 +28,82 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     VERSION = "0+unknown"
 
 
-# How often an agent refreshes its retained status (heartbeat timestamp and
-# metrics): often enough for a live chart, rare enough to cost nothing.
-STATUS_INTERVAL_S = 2.0
+# Counters whose per-second rate each status also carries, under the rate's
+# name: a chart of a rate reads at a glance, one of an ever-growing counter
+# does not. `tokens` are the coordinator's generated tokens, `rows` the
+# request rows a stage computed, `compute_s` a stage's seconds of compute (so
+# its rate is the fraction of time the stage was busy).
+RATES = {"tokens": "tokens_per_s", "rows": "rows_per_s", "compute_s": "busy"}
+
+# How long a shutdown waits for a cancelled task before cancelling it again.
+CANCEL_RETRY_S = 0.5
+
+# Uptime counts from here: agents import this module first thing, before loading layers.
+_STARTED = time.monotonic()
+
+
+@dataclass
+class StatusPayload:
+    """Builds one agent's status payloads; remembers its last error and its last counters."""
+
+    agent_id: str
+    role: Literal["stage", "coordinator"]
+    stage: int | None = None
+    layers: tuple[int, int] | None = None
+    metrics: Callable[[], dict[str, float]] | None = None
+    last_error: str | None = None
+    last_error_ts: float | None = None
+    _previous: tuple[float, dict[str, float]] | None = field(default=None, init=False)
+
+    def __call__(self, state: Literal["online", "offline"], bdseq: int) -> bytes:
+        now = time.monotonic()
+        metrics = dict(self.metrics()) if self.metrics else {}  # a copy: rates are added
+        if state == "online":  # a death (the Will is built at connect time) carries no rates
+            metrics.update(self._rates(now, metrics))
+        return AgentStatus(state=state, role=self.role, agent_id=self.agent_id, stage=self.stage,
+                           layers=list(self.layers) if self.layers else None, pid=os.getpid(),
+                           host=socket.gethostname(), version=VERSION, bdseq=bdseq,
+                           rss_bytes=rss_bytes(), uptime_s=round(now - _STARTED, 1),
+                           last_error=self.last_error, last_error_ts=self.last_error_ts,
+                           metrics=metrics).model_dump_json().encode()
+
+    def _rates(self, now: float, metrics: dict[str, float]) -> dict[str, float]:
+        """RATES over the time since the previous online payload (none for the first)."""
+        previous, self._previous = self._previous, (now, dict(metrics))
+        if previous is None or now <= previous[0]:
+            return {}
+        then, before = previous
+        return {rate: (metrics[name] - before[name]) / (now - then)
+                for name, rate in RATES.items() if name in metrics and name in before}
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc); None where there is no /proc."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def presence(topics: Topics, agent_id: str, role: Literal["stage", "coordinator"], *,
              stage: int | None = None, layers: tuple[int, int] | None = None,
              metrics: Callable[[], dict[str, float]] | None = None) -> Presence:
     """Birth/death payloads for `{root}/status/{agent_id}`."""
-
-    def payload(state: Literal["online", "offline"]) -> bytes:
-        return AgentStatus(state=state, role=role, agent_id=agent_id, stage=stage,
-                           layers=list(layers) if layers else None, pid=os.getpid(),
-                           host=socket.gethostname(), version=VERSION,
-                           metrics=metrics() if metrics else {}
-                           ).model_dump_json().encode()
-
-    return Presence(topics.status(agent_id), lambda: payload("online"),
-                    lambda: payload("offline"))
+    return Presence(topics.status(agent_id), StatusPayload(agent_id, role, stage, layers, metrics))
 
 
 async def publish_event(bus: BusClient, topics: Topics, event: Event) -> None:
-    """Best effort: an event that cannot be published is logged, never raised."""
+    """Best effort: an event that cannot be published is logged, never raised.
+
+    An error also becomes the agent's `last_error` in its next status.
+    """
     log.log(logging.ERROR if event.kind == "error" else logging.INFO, "%s %s: %s",
             event.agent_id, event.kind, event.message)
+    if (event.kind == "error" and bus.presence is not None
+            and isinstance(bus.presence.payload, StatusPayload)):
+        bus.presence.payload.last_error = event.message
+        bus.presence.payload.last_error_ts = event.ts
     with contextlib.suppress(Exception):
         await bus.publish(topics.events, event.model_dump_json(), qos=0)
 
@@ -68,26 +123,65 @@ def run_agent(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     asyncio.run(wrapper())
 
 
-async def heartbeat(bus: BusClient) -> None:
-    """Refresh the retained status every STATUS_INTERVAL_S while connected."""
+async def heartbeat(bus: BusClient, interval_s: float) -> None:
+    """Refresh the retained status (the plant's liveness.heartbeat_s) while connected."""
     while True:
-        await asyncio.sleep(STATUS_INTERVAL_S)
+        await asyncio.sleep(interval_s)
         await bus.refresh_presence()
 
 
-async def serve_until(stop: asyncio.Event, bus: BusClient,
-                      handler: Callable[..., None], *workers: Awaitable[None]) -> None:
+async def tell_systemd(bus: BusClient) -> None:
+    """READY once connected (layers are loaded by then), WATCHDOG only while connected.
+
+    Runs until cancelled; outside systemd it does nothing.
+    """
+    broker = f"the broker at {bus.endpoint.host}:{bus.endpoint.port}"
+    sd_notify.notify(f"STATUS=connecting to {broker}")
+    await bus.wait_connected()
+    sd_notify.notify("READY=1", f"STATUS=connected to {broker}")
+    await sd_notify.watchdog(lambda: bus.connected, healthy_status=f"connected to {broker}",
+                             unhealthy_status=f"lost {broker}; reconnecting")
+
+
+async def publish_plan(bus: BusClient, plant: Plant) -> None:
+    """Retain the plant's partition on `{root}/plan` as soon as `bus` is connected."""
+    plan = Plan(plant_id=plant.plant_id, coordinator=plant.coordinator.id,
+                stages=[PlanStage(index=stage.index, layers=list(stage.layers),
+                                  nodes=stage.node_ids) for stage in plant.pipeline])
+    await bus.wait_connected()
+    await bus.publish(plant.topics.plan, plan.model_dump_json(), qos=1, retain=True)
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` and wait for them, cancelling again any that swallowed the cancel.
+
+    On Python 3.11 a cancel that lands as the awaited operation completes is
+    lost inside `asyncio.wait_for` (which aiomqtt uses for connects and QoS 1
+    publishes): the task runs on, and a plain gather would wait forever.
+    """
+    pending = [task for task in tasks if not task.done()]
+    while pending:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=CANCEL_RETRY_S)
+        pending = [task for task in pending if not task.done()]
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def serve_until(stop: asyncio.Event, bus: BusClient, handler: Callable[..., None],
+                      *workers: Awaitable[None], heartbeat_s: float) -> None:
     """Run the bus loop, the heartbeat and `workers` until `stop` is set, then leave cleanly."""
     if stop.is_set():  # stopped while loading: never connect, so nothing is left half-open
         return
-    tasks = [asyncio.create_task(bus.run(handler)), asyncio.create_task(heartbeat(bus)),
+    tasks = [asyncio.create_task(bus.run(handler)),
+             asyncio.create_task(heartbeat(bus, heartbeat_s)),
+             asyncio.create_task(tell_systemd(bus)),
              *map(asyncio.ensure_future, workers)]
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    sd_notify.notify("STOPPING=1", "STATUS=stopping")
     await bus.announce_offline()
-    for task in [stopper, *tasks]:
-        task.cancel()
-    await asyncio.gather(stopper, *tasks, return_exceptions=True)
+    await cancel_all([stopper, *tasks])
     for task in done:  # a worker or the bus that died on its own must not exit 0
         if task is not stopper and not task.cancelled() and task.exception() is not None:
             raise task.exception()  # type: ignore[misc]

@@ -14,12 +14,22 @@ on one worker thread, so the loop keeps receiving and publishing while the CPU
 computes. A frame that is garbage, out of order, or names an unknown request
 is dropped with an event on `{root}/events`; it never takes the agent or
 another request's state down with it.
+
+Failover: every frame names its route (which replica runs each stage) and
+route epoch. A replayed request arrives as a prefill with a newer epoch and
+replaces the old cache; frames of an older epoch, and QoS 1 duplicates, are
+dropped quietly, because after a failover they are expected. Each node holds
+at most `kv_budget_mb` of caches; caches idle past the coordinator's step
+timeout belong to abandoned requests and are evicted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import ctypes
+import ctypes.util
 import logging
 import math
 import time
@@ -33,9 +43,9 @@ import torch
 from edgebus import frames
 from edgebus.client import BusClient
 from edgebus.errors import FrameError
-from edgebus.frames import Frame, Kind
+from edgebus.frames import Frame, Header, Kind
 from edgebus.messages import Event
-from node_agent.kv_cache import KVCache
+from node_agent.kv_cache import KVCache, kv_bytes_per_token
 from node_agent.runtime import presence, publish_event, run_agent, serve_until
 from node_agent.sampling import top_candidates
 from node_agent.stage_model import StageModel
@@ -47,31 +57,51 @@ _WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 # Most decode rows batched into one forward pass. Past ~32 a CPU stage stops
 # gaining (the step turns compute-bound) while each row waits longer.
 MAX_BATCH = 32
+# How often the worker looks for abandoned caches: cheap, and an abandoned
+# cache costs memory, not correctness, so once in a while is enough.
+SWEEP_INTERVAL_S = 5.0
+
+
+class _Skip(FrameError):
+    """A frame that is expected to be dropped: a QoS 1 duplicate, or one from an old route."""
+
+
+class _Refused(FrameError):
+    """A request this node gives up on; the coordinator is told, so it fails fast."""
 
 
 class StageAgent:
-    """Runs one stage of the plant's pipeline."""
+    """Runs one stage of the plant's pipeline, as one of its replica nodes."""
 
     def __init__(self, plant: Plant, node_id: str, model: StageModel | None = None, *,
                  batch_groups: int | None = None) -> None:
         self.plant = plant
-        self.batch_groups = batch_groups or len(plant.stages)
         self.node_id = node_id
+        self.pipeline = plant.pipeline
         self.index = plant.stage_index(node_id)
-        spec = plant.stages[self.index]
+        stage = self.pipeline[self.index]
+        self.replica = stage.node_ids.index(node_id)
+        self.batch_groups = batch_groups or len(self.pipeline)
+        spec = plant.node(node_id)
         topics = plant.topics
         self.topics = topics
-        self.model = model if model is not None else StageModel(plant.model, *spec.layers)
-        is_last = self.index == len(plant.stages) - 1
-        self.next_topic = topics.activations(
-            plant.coordinator.id if is_last else plant.stages[self.index + 1].node)
+        self.model = model if model is not None else StageModel(plant.model, *spec.layers,
+                                                                weights=spec.weights)
+        self.coordinator_topic = topics.activations(plant.coordinator.id)
         self.wire_dtype = _WIRE_DTYPES[plant.wire_dtype]
+        self.kv_budget = spec.kv_budget_mb * 2**20
+        self.kv_per_token = kv_bytes_per_token(self.model.config, spec.layers)
+        # The coordinator gives up on a step after this long: a cache idle for
+        # longer belongs to a request nobody will finish or release.
+        self.abandon_after_s = plant.coordinator.request_timeout_s
         self.caches: dict[int, KVCache] = {}  # touched only by the worker thread
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue()
         self._prompts: collections.deque[Frame] = collections.deque()  # prefill chunks waiting
-        self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0}
+        self._swept = time.monotonic()
+        self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "skipped_frames": 0.0,
+                        "evicted": 0.0}
         self.bus = BusClient(
-            plant.broker.endpoint(), f"{plant.plant_id}.{node_id}",
+            plant.endpoint_for(node_id), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
             presence=presence(topics, node_id, "stage", stage=self.index, layers=spec.layers,
                               metrics=self._metrics))
@@ -85,7 +115,8 @@ class StageAgent:
 
     async def serve(self, stop: asyncio.Event) -> None:
         try:
-            await serve_until(stop, self.bus, self._on_message, self._work())
+            await serve_until(stop, self.bus, self._on_message, self._work(),
+                              heartbeat_s=self.plant.liveness.heartbeat_s)
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -121,9 +152,8 @@ class StageAgent:
             while arrived or (not self.inbox.empty() and len(decodes) < limit):
                 frame = arrived.pop() if arrived else self.inbox.get_nowait()
                 if frame.kind == Kind.RELEASE:
-                    await loop.run_in_executor(self._executor, self.caches.pop, frame.request,
-                                               None)
-                elif frame.step == 0:
+                    await loop.run_in_executor(self._executor, self._release, frame)
+                elif frame.prefill:
                     self._prompts.append(frame)
                 else:
                     decodes.append(frame)
@@ -136,70 +166,139 @@ class StageAgent:
         out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
         for error in errors:
             self._report(error)
-        if out:
-            # Not awaited: the next batch need not wait for this one's PUBACK.
-            # Publishes leave in call order, so a request's frames stay in order.
-            self._spawn(self.bus.publish(self.next_topic, out, qos=1))
+        # Not awaited: the next batch need not wait for this one's PUBACK.
+        # Publishes leave in call order, so a request's frames stay in order.
+        for topic, message in out.items():
+            self._spawn(self.bus.publish(topic, message, qos=1))
 
     # -- compute (worker thread) -------------------------------------------------
 
-    def _forward(self, batch: list[Frame]) -> tuple[bytes, list[str]]:
-        """Run a prefill chunk or a batch of decode rows; return the outgoing message."""
+    def _forward(self, batch: list[Frame]) -> tuple[dict[str, bytes], list[str]]:
+        """Run a prefill chunk or a batch of decode rows; return messages by topic, and errors."""
+        self._sweep()
         errors: list[str] = []
-        rows: list[tuple[Frame, torch.Tensor, KVCache]] = []
+        out: dict[str, list[bytes]] = collections.defaultdict(list)
+        rows: list[tuple[Frame, torch.Tensor, KVCache, str]] = []
         for frame in batch:
             try:
                 if any(frame.request == row[0].request for row in rows):
-                    raise FrameError("second frame for this request in one batch: duplicate")
-                rows.append((frame, self._check_input(frame), self._cache_for(frame)))
+                    raise _Skip("second frame for this request in one batch: duplicate")
+                rows.append((frame, self._check_input(frame), self._cache_for(frame),
+                             self._next_topic(frame)))
+            except _Skip as exc:
+                self.metrics["skipped_frames"] += 1
+                log.debug("skipped frame of request %x: %s", frame.request, exc)
+            except _Refused as exc:
+                out[self.coordinator_topic].append(frames.encode_error(Header.of(frame), str(exc)))
+                errors.append(f"refused request {frame.request:x}: {exc}")
             except FrameError as exc:
                 errors.append(f"dropped frame of request {frame.request:x} step {frame.step}: "
                               f"{exc}")
-        if not rows:
-            return b"", errors
+        if rows:
+            self._compute(rows, out, errors)
+        return {topic: b"".join(parts) for topic, parts in out.items() if any(parts)}, errors
+
+    def _compute(self, rows: list[tuple[Frame, torch.Tensor, KVCache, str]],
+                 out: dict[str, list[bytes]], errors: list[str]) -> None:
         started = time.perf_counter()
         try:
-            if rows[0][0].step == 0:
-                (frame, x, cache), = rows
-                out = self.model.prefill(x, cache, frame.start)
+            if rows[0][0].prefill:
+                (frame, x, cache, _), = rows
+                hidden = self.model.prefill(x, cache, frame.start)
             else:
-                out = self.model.decode(torch.cat([x for _, x, _ in rows]),
-                                        [cache for _, _, cache in rows],
-                                        [frame.start for frame, _, _ in rows])
+                hidden = self.model.decode(torch.cat([row[1] for row in rows]),
+                                           [row[2] for row in rows],
+                                           [row[0].start for row in rows])
         except Exception as exc:
             # A half-updated cache would poison every later step of these requests.
-            for frame, _, _ in rows:
+            reason = f"forward failed ({type(exc).__name__}: {exc})"
+            for frame, _, _, _ in rows:
                 self.caches.pop(frame.request, None)
-            return b"", [*errors, f"forward failed ({type(exc).__name__}: {exc}); dropped "
-                                  f"{len(rows)} request(s)"]
+                out[self.coordinator_topic].append(frames.encode_error(Header.of(frame), reason))
+            errors.append(f"{reason}; dropped {len(rows)} request(s)")
+            return
+        now = time.monotonic()
         self.metrics["compute_s"] += time.perf_counter() - started
         self.metrics["steps"] += 1
         self.metrics["rows"] += len(rows)
-        return b"".join(self._encode(frame, out[i:i + 1])
-                        for i, (frame, _, _) in enumerate(rows)), errors
+        for i, (frame, _, cache, topic) in enumerate(rows):
+            cache.touched = now
+            out[topic].append(self._encode(frame, hidden[i:i + 1]))
 
     def _cache_for(self, frame: Frame) -> KVCache:
+        cache = self.caches.get(frame.request)
+        if cache is not None and frame.epoch < cache.epoch:
+            raise _Skip(f"epoch {frame.epoch} was replaced by a replay (epoch {cache.epoch})")
         if frame.start == 0:
-            cache = self.caches[frame.request] = KVCache()
+            if not frame.prefill:
+                raise FrameError("a decode step at position 0")
+            if cache is not None and cache.epoch == frame.epoch:
+                raise _Skip("prefill already received: duplicate")
+            self._make_room(frame)
+            cache = self.caches[frame.request] = KVCache(frame.epoch)
             return cache
-        cache_or_none = self.caches.get(frame.request)
-        if cache_or_none is None:
+        if cache is None or cache.epoch != frame.epoch:
             raise FrameError("unknown request (never prefilled here, or already released)")
-        if cache_or_none.get_seq_length() != frame.start:
+        held = cache.get_seq_length()
+        if frame.start < held:
+            raise _Skip(f"position {frame.start} already computed: duplicate")
+        if frame.start > held:
             raise FrameError(f"frame starts at position {frame.start} but the cache holds "
-                             f"{cache_or_none.get_seq_length()}: duplicate or out of order")
-        return cache_or_none
+                             f"{held}: a frame before it was lost")
+        if frame.prefill:
+            self._make_room(frame)
+        return cache
+
+    def _make_room(self, frame: Frame) -> None:
+        """Refuse a prefill chunk that would take the caches past this node's budget."""
+        need = frame.count * self.kv_per_token
+        held = sum(c.nbytes for c in self.caches.values())
+        if held + need > self.kv_budget:
+            self.caches.pop(frame.request, None)
+            raise _Refused(f"KV budget of node {self.node_id} is full ({held / 2**20:.1f} of "
+                           f"{self.kv_budget / 2**20:.0f} MiB held, {need / 2**20:.1f} MiB more "
+                           "asked): retry later, or raise kv_budget_mb in the plant file")
+
+    def _release(self, frame: Frame) -> None:
+        cache = self.caches.get(frame.request)
+        if cache is not None and cache.epoch <= frame.epoch:  # never a newer route's cache
+            del self.caches[frame.request]
+
+    def _sweep(self) -> None:
+        """Evict caches of requests abandoned without a release (their coordinator died)."""
+        now = time.monotonic()
+        if now - self._swept < SWEEP_INTERVAL_S:
+            return
+        self._swept = now
+        idle = [rid for rid, c in self.caches.items() if now - c.touched > self.abandon_after_s]
+        for rid in idle:
+            del self.caches[rid]
+        if idle:
+            self.metrics["evicted"] += len(idle)
+            _return_freed_memory()
+
+    def _next_topic(self, frame: Frame) -> str:
+        """Where this frame's output goes: the route's node of the next stage."""
+        route, stages = frame.route, self.pipeline
+        counts = [len(stage.nodes) for stage in stages]
+        if len(route) != len(counts) or any(r >= n for r, n in zip(route, counts, strict=True)):
+            raise FrameError(f"route {list(route)} does not fit this plant's {counts} nodes per "
+                             "stage: run the same plant file on every box")
+        if route[self.index] != self.replica:
+            raise FrameError(f"route {list(route)} does not pass through this node")
+        if self.index == len(stages) - 1:
+            return self.coordinator_topic
+        return self.topics.activations(stages[self.index + 1].nodes[route[self.index + 1]].node)
 
     def _encode(self, frame: Frame, out: torch.Tensor) -> bytes:
-        header = dict(request=frame.request, epoch=frame.epoch, step=frame.step,
-                      start=frame.start)
+        header = Header.of(frame)
         if self.model.lm_head is None:
-            return frames.encode(Kind.HIDDEN, out.to(self.wire_dtype),
-                                 candidates=frame.candidates, **header)
+            return frames.encode(Kind.HIDDEN, out.to(self.wire_dtype), header, start=frame.start,
+                                 candidates=frame.candidates, prefill=frame.prefill)
         if frame.candidates == 0:  # a prompt chunk before the last: nothing to sample yet
             return b""
         ids, logits = top_candidates(out, frame.candidates)
-        return frames.encode_candidates(ids, logits, **header)
+        return frames.encode_candidates(ids, logits, header, start=frame.start)
 
     def _check_input(self, frame: Frame) -> torch.Tensor:
         """The frame's tensor, or FrameError if it cannot be this stage's input."""
@@ -208,10 +307,11 @@ class StageAgent:
         if frame.kind != expected:
             raise FrameError(f"stage {self.index} takes {expected.name} frames, got "
                              f"{frame.kind.name}")
-        if frame.count < 1 or (frame.step > 0 and frame.count != 1):
-            raise FrameError(f"step {frame.step} carries {frame.count} positions")
+        if frame.count < 1 or (not frame.prefill and frame.count != 1):
+            raise FrameError(f"{'prefill' if frame.prefill else 'decode'} frame carries "
+                             f"{frame.count} positions")
         if frame.candidates > self.model.config.vocab_size or (
-                frame.step > 0 and frame.candidates == 0):
+                not frame.prefill and frame.candidates == 0):
             raise FrameError(f"asks for {frame.candidates} candidates")
         x = frame.tensor()
         if first:
@@ -238,10 +338,22 @@ class StageAgent:
         task.add_done_callback(self._background.discard)
 
 
+def _return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS, so RSS shows what evicting caches freed.
+
+    glibc keeps freed blocks for reuse; after a burst of long requests that
+    would read as a leak on the ops view and count against the box.
+    """
+    libc = ctypes.util.find_library("c")
+    if libc:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(libc).malloc_trim(0)
+
+
 def run_stage(plant: Plant, node_id: str, threads: int | None = None,
               batch_groups: int | None = None) -> None:
     """`edgebus node PLANT --id NODE`: load the layers, then serve until SIGTERM."""
-    spec = plant.stages[plant.stage_index(node_id)]
+    spec = plant.node(node_id)
     threads = threads or spec.threads
     if threads:
         torch.set_num_threads(threads)

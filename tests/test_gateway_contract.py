@@ -24,7 +24,7 @@ from pipeline import plant_for, reference_tokens, running
 from tiny_models import build_tiny
 
 from edgebus import frames
-from edgebus.frames import Kind
+from edgebus.frames import Header, Kind
 from edgebus.messages import GenerateRequest, GenerateResponse
 
 WAIT_S = 60.0
@@ -150,11 +150,11 @@ async def test_garbage_frames_are_dropped_and_requests_stay_exact(
         tiny_llama: Path, amqtt_broker: BrokerHandle) -> None:
     plant = plant_for(tiny_llama, amqtt_broker, [(0, 2), (2, 4), (4, 6)])
     root = plant.topic_root
-    hidden = frames.encode(Kind.HIDDEN, torch.zeros(1, 1, 64), request=123,
-                           epoch=0, step=5, start=9)
+    hidden = frames.encode(Kind.HIDDEN, torch.zeros(1, 1, 64), Header(123, 0, 5),
+                           start=9)
     garbage = [os.urandom(100), b"", hidden[:-4], hidden,  # unknown request
-               frames.encode(Kind.TOKENS, torch.tensor([[1, 2]]), request=9,
-                             epoch=0, step=0, start=0)]  # tokens into a middle stage
+               frames.encode(Kind.TOKENS, torch.tensor([[1, 2]]), Header(9, 0, 0),
+                             start=0)]  # tokens into a middle stage
     request = {"id": "r", "prompt": "Hydraulic oil temperature", "max_tokens": 10,
                "ignore_eos": True}
     async with running(plant), _client(amqtt_broker) as client:
