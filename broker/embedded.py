@@ -6,8 +6,9 @@ is the blocking entry point a command or a systemd unit calls, and
 and single-box setups start in-process. A plant with a Mosquitto keeps using
 it: amqtt speaks MQTT 3.1.1 only and keeps nothing across a restart.
 
-Every client is admitted, without credentials: authentication and TLS are a
-later concern.
+Every client is admitted, without credentials, unless the plant has a
+`security:` section: then `broker.amqtt_security` admits only its identities,
+each confined to its topics. It listens without TLS.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import logging
 import signal
 from types import TracebackType
+from typing import Any
 
 from amqtt.broker import Broker
 from amqtt.contexts import BrokerConfig, ListenerConfig, ListenerType
@@ -23,6 +25,7 @@ from amqtt.errors import BrokerError
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
+from edgebus import sd_notify
 from edgebus.errors import BusError
 
 logger = logging.getLogger(__name__)
@@ -64,7 +67,8 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
     """amqtt's Broker with two fixes to how it treats connecting clients.
 
-    - It closes every client socket when its connection handler ends.
+    - It closes every client socket when its connection handler ends, and
+      can close them all at once before a shutdown (see `close_connections`).
     - On CONNECT, amqtt 0.12.1 walks *every* client's subscription filters
       and sends the new client the retained messages matching them, awaiting
       inside the walk: clients get retained messages they never asked for,
@@ -81,8 +85,23 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
         if any(holder is session for holder, _ in holders):
             await super()._publish_retained_messages_for_subscription(subscription, session)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    def close_connections(self) -> None:
+        """Drop every client connection, as a broker that stops does.
+
+        amqtt 0.12.1's shutdown can wait forever on a connection handler whose
+        cancel Python 3.11's `wait_for` swallowed (seen with a persistent
+        session connected); with its socket closed, every handler ends on EOF.
+        """
+        for writer in list(self._writers):
+            writer.close()
+
     async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                listener_name: str) -> None:
+        self._writers.add(writer)
         try:
             await super().stream_connected(reader, writer, listener_name=listener_name)
         except Exception as exc:
@@ -93,6 +112,7 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
             # amqtt leaves the socket of a failed handshake (a TCP health
             # probe, a truncated CONNECT) open until garbage collection.
             writer.close()
+            self._writers.discard(writer)
 
 
 def _quiet_amqtt() -> None:
@@ -120,15 +140,18 @@ class EmbeddedBroker:
     delay on small QoS 1 acks, unlike a Mosquitto without `set_tcp_nodelay true`.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 1883) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 1883,
+                 plugins: dict[str, dict[str, object]] | None = None) -> None:
         self.host = host
         self.port = port
+        # None: admit everyone; `broker.amqtt_security.plugins_for(plant)` secures it.
+        self.plugins = _PLUGINS if plugins is None else plugins
         self._broker: Broker | None = None
 
     async def __aenter__(self) -> EmbeddedBroker:
         _quiet_amqtt()
         listener = ListenerConfig(type=ListenerType.TCP, bind=f"{self.host}:{self.port}")
-        config = BrokerConfig(listeners={_LISTENER_NAME: listener}, plugins=_PLUGINS)
+        config = BrokerConfig(listeners={_LISTENER_NAME: listener}, plugins=self.plugins)
         broker = _Broker(config)
         try:
             await broker.start()
@@ -149,6 +172,7 @@ class EmbeddedBroker:
     ) -> None:
         broker, self._broker = self._broker, None
         if broker is not None:
+            broker.close_connections()
             await broker.shutdown()
 
     @staticmethod
@@ -161,20 +185,30 @@ class EmbeddedBroker:
         return port
 
 
-async def _serve_until_signalled(host: str, port: int) -> None:
+async def _serve_until_signalled(host: str, port: int,
+                                 plugins: dict[str, dict[str, object]] | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    async with EmbeddedBroker(host, port) as broker:
+    async with EmbeddedBroker(host, port, plugins) as broker:
         logger.info("edgebus embedded broker listening on %s:%d", broker.host, broker.port)
+        sd_notify.notify("READY=1", f"STATUS=listening on {broker.host}:{broker.port}")
+        # The pings prove the event loop, which serves every client, still turns.
+        pinger = asyncio.create_task(sd_notify.watchdog(lambda: True))
         await stop.wait()
+        pinger.cancel()
+        sd_notify.notify("STOPPING=1")
         logger.info("edgebus embedded broker stopping")
 
 
-def run_broker_forever(host: str, port: int) -> None:
-    """Serve MQTT on `host:port` until SIGINT or SIGTERM, then shut down and return."""
+def run_broker_forever(host: str, port: int,
+                       plugins: dict[str, dict[str, object]] | None = None) -> None:
+    """Serve MQTT on `host:port` until SIGINT or SIGTERM, then shut down and return.
+
+    `plugins`: amqtt plugin settings, as `EmbeddedBroker` takes them.
+    """
     # A no-op when the caller configured logging already; otherwise the
     # "listening" line would be swallowed by logging's WARNING-only last resort.
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
-    asyncio.run(_serve_until_signalled(host, port))
+    asyncio.run(_serve_until_signalled(host, port, plugins))

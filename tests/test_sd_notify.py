@@ -1,0 +1,177 @@
+"""systemd notification: the protocol module, and a real agent process talking it.
+
+The agent test plays systemd's part: it binds the datagram socket that
+$NOTIFY_SOCKET names, sets a short $WATCHDOG_USEC, starts `edgebus
+coordinator` as an OS process against a real broker, and reads what arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from brokers import AmqttBroker, free_port
+from pipeline import plant_for
+from tiny_models import build_tiny
+
+from edgebus import sd_notify
+from edgebus.processes import LOOPBACK
+from plant_config import make_plant, write_plant
+
+# 200 ms: the agent pings every 100 ms, so a test sees many pings in a second.
+WATCHDOG_USEC = 200_000
+PERIOD_S = WATCHDOG_USEC / 2e6
+# The agent imports torch and transformers before it connects: ~10 s on a
+# loaded two-core box.
+START_S = 60.0
+# The client retries a lost broker after 0.25 s, then backs off.
+RECONNECT_S = 10.0
+# A clean exit finishes within the client's 2 s close timeout.
+STOP_S = 15.0
+# Watchdog periods to watch for a ping that must not come.
+QUIET_PERIODS = 10
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+@pytest.fixture
+def notify_socket() -> Iterator[tuple[socket.socket, str]]:
+    """A datagram socket in the abstract namespace, and its $NOTIFY_SOCKET spelling."""
+    name = f"edgebus-test-{secrets.token_hex(6)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.setblocking(False)
+    with sock:
+        yield sock, "@" + name
+
+
+async def receive(sock: socket.socket, timeout: float) -> list[str]:
+    """The next datagram's assignments."""
+    data = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 4096), timeout)
+    return data.decode().split("\n")
+
+
+async def until(sock: socket.socket, assignment: str, timeout: float) -> list[list[str]]:
+    """Every datagram up to and including the first holding `assignment` (a prefix)."""
+    seen: list[list[str]] = []
+    deadline = time.monotonic() + timeout
+    while not seen or not any(a.startswith(assignment) for a in seen[-1]):
+        seen.append(await receive(sock, max(0.0, deadline - time.monotonic())))
+    return seen
+
+
+def start_notifying(args: list[str], notify_address: str, log: Path) -> subprocess.Popen[bytes]:
+    """`edgebus ARGS` as systemd would start it with WatchdogSec=, output to `log`."""
+    env = {**os.environ, "NOTIFY_SOCKET": notify_address, "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+    env.pop("WATCHDOG_PID", None)
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "edgebus", *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def test_notify_sends_one_datagram_to_a_path_socket(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+        sd_notify.notify("READY=1", "STATUS=serving")
+        sock.settimeout(5)
+        assert sock.recv(4096) == b"READY=1\nSTATUS=serving"
+
+
+async def test_notify_reaches_an_abstract_socket(notify_socket: tuple[socket.socket, str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    sock, address = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", address)
+    sd_notify.notify("STOPPING=1")
+    assert await receive(sock, 5) == ["STOPPING=1"]
+
+
+def test_watchdog_period_is_half_the_timeout_and_only_for_this_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    assert sd_notify.watchdog_period() is None
+    monkeypatch.setenv("WATCHDOG_USEC", "90000000")
+    assert sd_notify.watchdog_period() == 45.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert sd_notify.watchdog_period() == 45.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # set for another process
+    assert sd_notify.watchdog_period() is None
+
+
+async def test_agent_is_ready_once_connected_and_pings_only_while_connected(
+        tmp_path: Path, tiny_model: Path, amqtt_broker: AmqttBroker,
+        notify_socket: tuple[socket.socket, str]) -> None:
+    plant_path = tmp_path / "plant.yaml"
+    write_plant(plant_for(tiny_model, amqtt_broker, [(0, 3), (3, 6)]), plant_path)
+    sock, address = notify_socket
+    log = tmp_path / "coordinator.log"
+    agent = start_notifying(["coordinator", str(plant_path)], address, log)
+    try:
+        before_ready = await until(sock, "READY=1", START_S)
+        assert not any("WATCHDOG=1" in d for d in before_ready), before_ready
+        assert f"STATUS=connected to the broker at {amqtt_broker.host}:{amqtt_broker.port}" \
+            in before_ready[-1]
+        await until(sock, "WATCHDOG=1", 5 * PERIOD_S)
+
+        amqtt_broker.stop()
+        await until(sock, "STATUS=lost the broker", RECONNECT_S)
+        quiet: list[list[str]] = []
+        with pytest.raises(TimeoutError):
+            while True:
+                quiet.append(await receive(sock, QUIET_PERIODS * PERIOD_S))
+        assert not any("WATCHDOG=1" in d for d in quiet), quiet
+
+        amqtt_broker.start()  # same port: the agent reconnects, and the pings resume
+        back = await until(sock, "WATCHDOG=1", RECONNECT_S)
+        assert any(a.startswith("STATUS=connected") for d in back for a in d), back
+
+        agent.send_signal(signal.SIGTERM)
+        await until(sock, "STOPPING=1", STOP_S)
+        assert agent.wait(STOP_S) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        print(f"--- coordinator log ---\n{log.read_text(errors='replace')}")
+
+
+async def test_embedded_broker_is_ready_once_listening_and_pings(
+        tmp_path: Path, tiny_model: Path, notify_socket: tuple[socket.socket, str]) -> None:
+    port = free_port()
+    plant = make_plant(tiny_model, stages=2, plant_id="notify")
+    plant = plant.model_copy(update={"broker": plant.broker.model_copy(
+        update={"host": LOOPBACK, "port": port})})
+    plant_path = tmp_path / "plant.yaml"
+    write_plant(plant, plant_path)
+    sock, address = notify_socket
+    log = tmp_path / "broker.log"
+    broker = start_notifying(["broker", str(plant_path)], address, log)
+    try:
+        ready = await until(sock, "READY=1", START_S)
+        assert f"STATUS=listening on {LOOPBACK}:{port}" in ready[-1]
+        with socket.create_connection((LOOPBACK, port), timeout=5):
+            pass  # READY=1 came once it listens
+        await until(sock, "WATCHDOG=1", 5 * PERIOD_S)
+        broker.send_signal(signal.SIGTERM)
+        await until(sock, "STOPPING=1", STOP_S)
+        assert broker.wait(STOP_S) == 0
+    finally:
+        if broker.poll() is None:
+            broker.kill()
+            broker.wait()
+        print(f"--- broker log ---\n{log.read_text(errors='replace')}")

@@ -1,0 +1,253 @@
+"""The ops view: retained statuses with numbers to chart, bdseq, the plan, `edgebus status`.
+
+Everything goes through real brokers. The bdseq test cuts an agent's TCP
+connection under it (a proxy between agent and broker drops it, as a pulled
+cable would), so the broker publishes the agent's real Last Will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import pytest
+from brokers import AmqttBroker, BrokerHandle
+from pipeline import ask_all, plant_for, running
+from tiny_models import build_tiny
+
+from edgebus.client import BusClient
+from edgebus.messages import AgentStatus, GenerateRequest
+from edgebus.status_view import ClusterView
+from edgebus.topics import Topics
+from node_agent.runtime import StatusPayload, presence, publish_plan
+from plant_config import BrokerEndpoint, CoordinatorSpec, Liveness, write_plant
+
+# A status per 0.3 s: the test sees several heartbeats within a second or two.
+HEARTBEAT_S = 0.3
+# Generous: `edgebus status` is a Python start-up plus a 2 s listening window at most.
+STATUS_CLI_S = 30.0
+# How long an expected status (a birth, a Will, a last error) may take to show up.
+EXPECT_S = 15.0
+# Tokens the test request generates, so the coordinator's counter has something to count.
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+class CuttableProxy:
+    """A TCP proxy to the broker whose connections the test can drop without a DISCONNECT."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.port = 0
+        self._transports: list[asyncio.WriteTransport] = []
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[CuttableProxy]:
+        server = await asyncio.start_server(self._accept, self.target[0], 0)
+        self.port = server.sockets[0].getsockname()[1]
+        async with server:
+            yield self
+            self.cut()
+
+    def cut(self) -> None:
+        """Abort every proxied connection, both ways: the broker sees its client vanish."""
+        for transport in self._transports:
+            transport.abort()
+        self._transports.clear()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._transports += [writer.transport, up_writer.transport]
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with suppress(ConnectionError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.close()
+
+
+def endpoint_via(broker: BrokerHandle, port: int) -> BrokerEndpoint:
+    return BrokerEndpoint(host=broker.host, port=port, tls=False, username=None, password=None,
+                          protocol="5" if broker.mqtt5 else "3.1.1", ca_file=None,
+                          keepalive_s=30)
+
+
+async def next_status(messages: AsyncIterator[aiomqtt.Message],
+                      wanted: Callable[[AgentStatus], bool]) -> AgentStatus:
+    async with asyncio.timeout(EXPECT_S):
+        async for message in messages:
+            assert isinstance(message.payload, bytes)
+            status = AgentStatus.model_validate_json(message.payload)
+            if wanted(status):
+                return status
+    raise AssertionError("the subscription ended")
+
+
+async def test_will_carries_its_births_bdseq_and_a_reconnect_starts_the_next(
+        broker: BrokerHandle) -> None:
+    topics = Topics(f"edgebus-test/{secrets.token_hex(4)}")
+    async with (CuttableProxy(broker.host, broker.port).serving() as proxy,
+                aiomqtt.Client(broker.host, broker.port,
+                               identifier=f"watch-{secrets.token_hex(4)}") as watcher):
+        await watcher.subscribe(topics.status("agent-x"), 1)
+        agent = BusClient(endpoint_via(broker, proxy.port), f"bdseq-{secrets.token_hex(4)}",
+                          presence=presence(topics, "agent-x", "stage", stage=0, layers=(0, 3)))
+        runner = asyncio.create_task(agent.run(lambda message: None))
+        try:
+            messages = watcher.messages
+            birth = await next_status(messages, lambda s: s.state == "online")
+            assert birth.bdseq > 0 and birth.rss_bytes and birth.rss_bytes > 0
+            assert birth.uptime_s is not None and birth.uptime_s >= 0
+
+            proxy.cut()
+            death = await next_status(messages, lambda s: s.state == "offline")
+            assert death.bdseq == birth.bdseq  # the Will built for that connection
+            rebirth = await next_status(messages, lambda s: s.state == "online")
+            assert rebirth.bdseq == birth.bdseq + 1
+            # Let the birth's PUBACK land first: on Python 3.11 a cancel that races
+            # it inside aiomqtt's asyncio.wait_for is swallowed and run() goes on.
+            await agent.wait_connected(EXPECT_S)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    # What bdseq is for: the Will of the first session, arriving late, loses.
+    view = ClusterView()
+    view.take(rebirth)
+    view.take(death)
+    assert view.statuses["agent-x"] == rebirth
+    view.take(death.model_copy(update={"bdseq": rebirth.bdseq}))  # this session's death wins
+    assert view.statuses["agent-x"].state == "offline"
+
+
+def test_status_carries_rates_of_its_counters() -> None:
+    counters = {"tokens": 0.0, "in_flight": 2.0}
+    payload = StatusPayload("coordinator", "coordinator", metrics=lambda: dict(counters))
+    first = AgentStatus.model_validate_json(payload("online", 7))
+    assert "tokens_per_s" not in first.metrics  # no interval yet
+    started = time.monotonic()
+    time.sleep(0.2)
+    counters["tokens"] = 10.0
+    second = AgentStatus.model_validate_json(payload("online", 7))
+    elapsed = time.monotonic() - started
+    assert 10.0 / elapsed <= second.metrics["tokens_per_s"] <= 10.0 / 0.2
+    assert second.metrics["in_flight"] == 2.0 and "in_flight_per_s" not in second.metrics
+    assert second.bdseq == 7
+
+
+async def edgebus_status(plant_path: Path, *args: str) -> tuple[int, str]:
+    """`edgebus status` as an operator runs it; its exit code and output."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "edgebus", "status", str(plant_path), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), STATUS_CLI_S)
+    assert proc.returncode is not None
+    assert proc.returncode in (0, 1), err.decode()
+    return proc.returncode, out.decode()
+
+
+async def status_json_until(plant_path: Path, done: Callable[[dict[str, Any]], bool]
+                            ) -> tuple[int, dict[str, Any]]:
+    async with asyncio.timeout(EXPECT_S):
+        while True:
+            code, out = await edgebus_status(plant_path, "--json")
+            data = json.loads(out)
+            if done(data):
+                return code, data
+            await asyncio.sleep(HEARTBEAT_S)
+
+
+def agent(data: dict[str, Any], agent_id: str) -> dict[str, Any]:
+    return next(a for a in data["agents"] if a["agent_id"] == agent_id)
+
+
+async def test_edgebus_status_shows_the_live_plant(tiny_model: Path, amqtt_broker: AmqttBroker,
+                                                   tmp_path: Path) -> None:
+    plant = plant_for(tiny_model, amqtt_broker, [(0, 3), (3, 6)]).model_copy(
+        update={"liveness": Liveness(heartbeat_s=HEARTBEAT_S, timeout_s=10 * HEARTBEAT_S)})
+    plant_path = tmp_path / "plant.yaml"
+    write_plant(plant, plant_path)
+    async with running(plant):
+        tool = BusClient(plant.broker.endpoint(), f"test.tool-{secrets.token_hex(4)}")
+        runner = asyncio.create_task(tool.run(lambda message: None))
+        try:
+            await publish_plan(tool, plant)
+            # No stage can read this: stage-1 reports an error, its status says so.
+            await tool.publish(plant.topics.activations("stage-1"), b"not a frame")
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        [response] = await ask_all(plant, [GenerateRequest(
+            id="r1", prompt="hello", max_tokens=TOKENS, ignore_eos=True)])
+        assert response.error is None
+
+        code, data = await status_json_until(plant_path, lambda d: (
+            agent(d, "stage-1")["status"]["last_error"] is not None
+            and agent(d, "coordinator")["status"]["metrics"].get("tokens") == TOKENS
+            and "busy" in agent(d, "stage-0")["status"]["metrics"]))
+        assert code == 0
+        assert [a["agent_id"] for a in data["agents"]] == ["stage-0", "stage-1", "coordinator"]
+        assert data["plan"]["stages"] == [{"index": 0, "layers": [0, 3], "nodes": ["stage-0"]},
+                                          {"index": 1, "layers": [3, 6], "nodes": ["stage-1"]}]
+        assert data["plan"]["coordinator"] == "coordinator"
+        for index, node in enumerate(["stage-0", "stage-1"]):
+            entry = agent(data, node)
+            status = entry["status"]
+            assert entry["state"] == "online" and 0 <= entry["age_s"] < plant.liveness.timeout_s
+            assert (status["role"], status["stage"]) == ("stage", index)
+            assert status["layers"] == list(plant.stages[index].layers)
+            assert status["rss_bytes"] > 0 and status["uptime_s"] > 0 and status["bdseq"] > 0
+            assert status["metrics"]["rows"] > 0 and status["metrics"]["kv_bytes"] == 0
+            assert 0 <= status["metrics"]["busy"] <= 1 and status["metrics"]["rows_per_s"] >= 0
+        assert "dropped a frame" in agent(data, "stage-1")["status"]["last_error"]
+        assert agent(data, "stage-0")["status"]["last_error"] is None
+        coordinator = agent(data, "coordinator")["status"]
+        assert coordinator["role"] == "coordinator" and coordinator["metrics"]["in_flight"] == 0
+        assert coordinator["metrics"]["tokens_per_s"] >= 0
+
+        code, text = await edgebus_status(plant_path)
+        assert code == 0
+        lines = text.splitlines()
+        assert lines[0] == f"plant 'test', topic root {plant.topic_root}"
+        assert lines[1] == "plan: 0: [0, 3) stage-0  1: [3, 6) stage-1"
+        table = [re.split(r"\s{2,}", line) for line in lines[2:]]
+        header = table[0]
+        rows = {row[0]: dict(zip(header, row, strict=True)) for row in table[1:]}
+        assert header[:6] == ["AGENT", "ROLE", "STAGE", "LAYERS", "STATE", "AGE"]
+        assert list(rows) == ["stage-0", "stage-1", "coordinator"]
+        assert rows["stage-1"]["LAYERS"] == "[3, 6)" and rows["stage-1"]["STATE"] == "online"
+        assert rows["stage-1"]["LAST ERROR"].startswith("dropped a frame")
+        assert rows["coordinator"]["IN FLIGHT"] == "0" and rows["stage-0"]["LAST ERROR"] == "-"
+        assert rows["stage-0"]["RSS"].endswith(("M", "G"))
+
+        # A plant file naming an agent that never ran: it is missing, and the
+        # agent the broker knows but the file does not name is still listed.
+        other = plant.model_copy(update={"coordinator": CoordinatorSpec(id="standby")})
+        other_path = tmp_path / "other.yaml"
+        write_plant(other, other_path)
+        code, out = await edgebus_status(other_path, "--json")
+        other_data = json.loads(out)
+        assert code == 1
+        assert agent(other_data, "standby")["state"] == "missing"
+        assert agent(other_data, "coordinator")["state"] == "online"
+
+    # Stopped cleanly, every agent says offline itself.
+    code, data = await status_json_until(
+        plant_path, lambda d: all(a["state"] == "offline" for a in d["agents"]))
+    assert code == 1
