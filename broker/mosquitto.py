@@ -58,11 +58,15 @@ class MosquittoProcess:
     the log (accumulated over restarts) are `workdir/mosquitto.conf` and
     `workdir/mosquitto.log`. `persistence=True` keeps retained messages,
     sessions and queued QoS>0 messages across a restart (saved at stop and
-    every `autosave_interval` s), as a plant's broker should.
+    every `autosave_interval` s), as a plant's broker should. With
+    `include_dir` (what `edgebus broker mosquitto-config` wrote), the listener
+    and access control come from the `*.conf` files there instead: `port`
+    must then be the port they listen on.
     """
 
     def __init__(self, workdir: Path, *, host: str = LOOPBACK, port: int | None = None,
-                 persistence: bool = False, autosave_interval: int = 1) -> None:
+                 persistence: bool = False, autosave_interval: int = 1,
+                 include_dir: Path | None = None) -> None:
         binary = mosquitto_binary()
         if binary is None:
             raise EdgebusError(f"mosquitto is not installed: {INSTALL_HINT}")
@@ -72,6 +76,7 @@ class MosquittoProcess:
         self.workdir = workdir
         self.persistence = persistence
         self.autosave_interval = autosave_interval
+        self.include_dir = include_dir
         self.conf_path = workdir / "mosquitto.conf"
         self.log_path = workdir / "mosquitto.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -89,12 +94,14 @@ class MosquittoProcess:
         return None if self._proc is None else self._proc.pid
 
     def _config(self) -> str:
-        lines = [
+        lines = [] if self.include_dir is not None else [
             f"listener {self.port} {self.host}",
             "allow_anonymous true",
             # Without it Nagle + delayed ACK add 44 ms to every small QoS 1
             # request/reply on the loopback (88 ms when clients lack it too).
             "set_tcp_nodelay true",
+        ]
+        lines += [
             "log_dest stderr",
             "log_timestamp_format %H:%M:%S",
             # Started as root, mosquitto drops to the "mosquitto" user, which
@@ -102,6 +109,8 @@ class MosquittoProcess:
             # user keeps it as is (and is ignored when not root).
             f"user {pwd.getpwuid(os.geteuid()).pw_name}",
         ]
+        if self.include_dir is not None:
+            lines.append(f"include_dir {self.include_dir}")
         if self.persistence:
             lines += ["persistence true", f"persistence_location {self.workdir}",
                       f"autosave_interval {self.autosave_interval}"]

@@ -22,12 +22,20 @@ from plant_config import Plant
 COORDINATOR_WAIT_S = 30.0
 
 
+def default_client_id(plant: Plant) -> str:
+    """The gateway id `ask` uses: the plant's first gateway identity, else a random one."""
+    if plant.security is not None and plant.security.gateways:
+        return plant.security.gateways[0]
+    return f"ask-{secrets.token_hex(4)}"
+
+
 async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None = None,
               on_delta: Callable[[str], None] | None = None,
               timeout: float | None = None) -> GenerateResponse:
     """Send `request` as gateway `client_id` and return the coordinator's response."""
     topics = plant.topics
-    client_id = client_id or f"ask-{secrets.token_hex(4)}"
+    client_id = client_id or default_client_id(plant)
+    endpoint = plant.endpoint_for(client_id)
     response_topic = topics.response(client_id, request.id)
     status_topic = topics.status(plant.coordinator.id)
     online = asyncio.Event()
@@ -44,7 +52,7 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
         elif topic == f"{response_topic}/stream" and on_delta is not None:
             on_delta(StreamDelta.model_validate_json(payload).delta)
 
-    bus = BusClient(plant.broker.endpoint(), f"{plant.plant_id}.{client_id}",
+    bus = BusClient(endpoint, f"{plant.plant_id}.{client_id}",
                     subscriptions=[(status_topic, 1), (response_topic, 1),
                                    (f"{response_topic}/stream", 1)])
     runner = asyncio.create_task(bus.run(on_message))
@@ -52,7 +60,6 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
         try:
             await asyncio.wait_for(online.wait(), COORDINATOR_WAIT_S)
         except TimeoutError:
-            endpoint = plant.broker.endpoint()
             raise EdgebusError(
                 f"coordinator {plant.coordinator.id!r} is not online on {endpoint.host}:"
                 f"{endpoint.port} (no retained status at {status_topic}). Start the plant with "

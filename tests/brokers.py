@@ -60,8 +60,9 @@ class AmqttBroker(BrokerHandle):
 
     kind = "amqtt"
 
-    def __init__(self) -> None:
+    def __init__(self, plugins: dict[str, dict[str, object]] | None = None) -> None:
         self.port = 0  # the first start picks a free port; restarts reuse it
+        self.plugins = plugins  # as EmbeddedBroker takes them; None: admit everyone
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
@@ -80,7 +81,7 @@ class AmqttBroker(BrokerHandle):
             self._loop = asyncio.get_running_loop()
             self._stop_event = asyncio.Event()
             try:
-                async with EmbeddedBroker(self.host, self.port) as broker:
+                async with EmbeddedBroker(self.host, self.port, self.plugins) as broker:
                     self.port = broker.port
                     started.set()
                     await self._stop_event.wait()

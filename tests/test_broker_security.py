@@ -1,0 +1,350 @@
+"""Broker security: the generated Mosquitto config, and the embedded broker's, enforced for real.
+
+Every test runs a real broker with what `edgebus broker mosquitto-config`
+writes (Mosquitto) or what `broker.amqtt_security` configures (amqtt), and
+real clients logging in with the passwords the generator left in the
+credentials directory. A forbidden message is shown undelivered by a marker:
+the reader subscribes, the forbidden publish completes (QoS 1, acknowledged),
+then an allowed client publishes a marker the reader may read. Brokers keep
+per-subscriber order, so if the forbidden message had been delivered it would
+have arrived first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import secrets
+import signal
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import aiomqtt
+import pytest
+import trustme
+from brokers import AmqttBroker, BrokerHandle, MosquittoBroker
+from certs import broker_tls
+from pipeline import reference_tokens, running
+from tiny_models import build_tiny
+
+from broker.amqtt_security import plugins_for
+from broker.mosquitto_config import write_mosquitto_config
+from broker.passwd import hash_password, verify_password
+from edgebus.ask import ask
+from edgebus.cli import main
+from edgebus.client import BusClient
+from edgebus.errors import BusError, PlantConfigError
+from edgebus.messages import GenerateRequest, GenerateResponse
+from edgebus.processes import LOOPBACK, free_port
+from plant_config import BrokerSettings, Plant, StageSpec, make_plant, write_plant
+from plant_config.credentials import password_path
+from plant_config.schema import BrokerTls, Security
+
+WAIT_S = 10.0
+# Under TLS 1.3 the broker rejects a missing client certificate after the
+# client's handshake has completed, so the client only sees no CONNACK: wait
+# this long for it instead of aiomqtt's default 10 s (loopback answers in ms).
+REFUSED_TLS_WAIT_S = 2.0
+GATEWAYS = ["plc-1", "plc-2"]
+SECURED_KINDS = ["mosquitto", "amqtt"]
+
+
+def secured_plant(tmp_path: Path, url: str, *, model: Path | None = None, mqtt5: bool = True,
+                  tls: BrokerTls | None = None, ca_file: Path | None = None) -> Plant:
+    """Two stages, two gateways and an ops identity; passwords under tmp_path/credentials."""
+    return Plant(
+        plant_id="sec", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
+        broker=BrokerSettings(url=url, protocol="5" if mqtt5 else "3.1.1", ca_file=ca_file),
+        model=model or tmp_path / "no-model",
+        stages=[StageSpec(node="stage-0", layers=(0, 3)), StageSpec(node="stage-1", layers=(3, 6))],
+        security=Security(credentials=tmp_path / "credentials", gateways=GATEWAYS, ops=["ops"],
+                          password_file=tmp_path / "conf" / "passwd", tls=tls))
+
+
+def start_secured(kind: str, plant: Plant, tmp_path: Path) -> BrokerHandle:
+    """A broker of `kind` that enforces `plant`'s security, on the port of `plant`'s URL."""
+    write_mosquitto_config(plant, tmp_path / "conf", bind=LOOPBACK)
+    port = plant.broker.endpoint().port
+    broker: BrokerHandle
+    if kind == "mosquitto":
+        broker = MosquittoBroker(tmp_path / "mosquitto", port=port, include_dir=tmp_path / "conf")
+    else:
+        broker = AmqttBroker(plugins_for(plant))
+        broker.port = port
+    broker.start()
+    return broker
+
+
+@pytest.fixture(params=SECURED_KINDS, ids=SECURED_KINDS)
+def secured(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plant]:
+    """A secured broker of each kind in turn, and the plant it serves (no model on disk)."""
+    mqtt5 = request.param == "mosquitto"  # amqtt speaks 3.1.1 only
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}", mqtt5=mqtt5)
+    broker = start_secured(request.param, plant, tmp_path)
+    yield plant
+    broker.stop()
+
+
+@asynccontextmanager
+async def login(plant: Plant, identity: str | None,
+                password: str | None = None) -> AsyncIterator[aiomqtt.Client]:
+    """A bare MQTT client as `identity` with its password (or `password`); None: anonymous."""
+    endpoint = plant.broker.endpoint()
+    user = None
+    if identity is not None:
+        user = identity
+        password = password or plant.endpoint_for(identity).password
+    async with aiomqtt.Client(
+            endpoint.host, endpoint.port, username=user, password=password,
+            identifier=f"{plant.plant_id}.{identity}-{secrets.token_hex(3)}",
+            protocol=aiomqtt.ProtocolVersion.V5 if endpoint.protocol == "5"
+            else aiomqtt.ProtocolVersion.V311) as client:
+        yield client
+
+
+async def first_message(client: aiomqtt.Client) -> aiomqtt.Message:
+    return await asyncio.wait_for(anext(aiter(client.messages)), WAIT_S)
+
+
+async def publish_maybe_refused(client: aiomqtt.Client, topic: str, payload: bytes) -> None:
+    # Over MQTT 5 Mosquitto may say "not authorised" in the PUBACK; either way
+    # the message must not reach anyone, which the marker shows.
+    with contextlib.suppress(aiomqtt.MqttCodeError):
+        await client.publish(topic, payload, qos=1)
+
+
+# -- passwords ---------------------------------------------------------------------------
+
+
+def test_hashes_match_mosquitto_passwd_both_ways(tmp_path: Path) -> None:
+    password = secrets.token_urlsafe(16)
+    path = tmp_path / "passwd"
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(path), "alice", password], check=True)
+    theirs = path.read_text().strip().split(":", 1)[1]
+    assert verify_password(password, theirs)
+    assert not verify_password(password + "x", theirs)
+    # And theirs, re-derived with its own salt, is exactly what we compute.
+    salt = base64.b64decode(theirs.split("$")[3])
+    assert hash_password(password, salt=salt) == theirs
+
+
+async def test_anonymous_and_wrong_passwords_are_refused(secured: Plant) -> None:
+    for identity, password in [(None, None), ("stage-0", "not-its-password"),
+                               ("intruder", "whatever")]:
+        with pytest.raises(aiomqtt.MqttCodeError):
+            async with login(secured, identity, password):
+                pass
+    async with login(secured, "stage-0"):
+        pass  # the real password gets in
+
+
+async def test_a_bus_client_with_bad_credentials_fails_with_a_clear_error(secured: Plant) -> None:
+    bad = BusClient(replace(secured.endpoint_for("stage-0"), password="wrong"), "x")
+    with pytest.raises(BusError, match=r"refused 'x'.*credentials"):
+        await asyncio.wait_for(bad.run(lambda message: None), WAIT_S)
+
+
+# (publisher, topic under the root, a reader allowed to read it, a writer allowed to write it)
+FORBIDDEN_PUBLISHES = [
+    ("plc-1", "act/stage-0", "stage-0", "coordinator"),  # a gateway into a stage's input
+    ("plc-1", "llm/request/plc-2", "coordinator", "plc-2"),  # a gateway posing as another
+    ("plc-1", "llm/response/plc-2/j1", "plc-2", "coordinator"),  # a gateway answering one
+    ("stage-1", "act/stage-0", "stage-0", "coordinator"),  # a node writing upstream
+    ("stage-0", "llm/response/plc-1/j1", "plc-1", "coordinator"),  # a node answering a gateway
+    ("stage-0", "status/stage-1", "ops", "stage-1"),  # a node faking another's status
+    ("ops", "events", "ops", "stage-0"),  # ops is read-only
+    ("ops", "plan", "ops", "coordinator"),
+]
+
+
+@pytest.mark.parametrize(("publisher", "level", "reader", "writer"), FORBIDDEN_PUBLISHES)
+async def test_a_forbidden_publish_is_not_delivered(secured: Plant, publisher: str, level: str,
+                                                    reader: str, writer: str) -> None:
+    topic = f"{secured.topic_root}/{level}"
+    async with login(secured, reader) as read, login(secured, publisher) as forger, \
+            login(secured, writer) as allowed:
+        await read.subscribe(topic, qos=1)
+        await publish_maybe_refused(forger, topic, b"forged")
+        await allowed.publish(topic, b"marker", qos=1)
+        assert (await first_message(read)).payload == b"marker"
+
+
+# (reader, filter it tries, writer, topic written there, a topic the reader may read)
+FORBIDDEN_READS = [
+    ("stage-0", "llm/response/#", "coordinator", "llm/response/plc-1/j1", "act/stage-0"),
+    ("plc-2", "llm/response/plc-1/#", "coordinator", "llm/response/plc-1/j1",
+     "llm/response/plc-2/j2"),
+    ("stage-1", "act/stage-0", "coordinator", "act/stage-0", "act/stage-1"),
+    ("ops", "#", "stage-0", "act/stage-1", "status/stage-0"),
+    ("plc-1", "llm/request/+", "plc-2", "llm/request/plc-2", "llm/response/plc-1/j1"),
+]
+
+
+@pytest.mark.parametrize(("reader", "pattern", "writer", "level", "marker"), FORBIDDEN_READS)
+async def test_a_client_cannot_read_what_is_not_its_own(secured: Plant, reader: str, pattern: str,
+                                                        writer: str, level: str,
+                                                        marker: str) -> None:
+    root = secured.topic_root
+    marker_writer = "stage-0" if marker.startswith("status/") else "coordinator"
+    async with login(secured, reader) as read, login(secured, writer) as write, \
+            login(secured, marker_writer) as mark:
+        # A broker may refuse the subscription outright or accept it and filter
+        # every message: both keep the message away, and only that is checked.
+        with contextlib.suppress(aiomqtt.MqttCodeError):
+            await read.subscribe(f"{root}/{pattern}", qos=1)
+        await read.subscribe(f"{root}/{marker}", qos=1)
+        await write.publish(f"{root}/{level}", b"secret", qos=1)
+        await mark.publish(f"{root}/{marker}", b"marker", qos=1)
+        assert (await first_message(read)).payload == b"marker"
+
+
+def test_an_unknown_identity_gets_a_clear_error(tmp_path: Path) -> None:
+    plant = secured_plant(tmp_path, "mqtt://h:1883")
+    with pytest.raises(PlantConfigError, match=r"'plc-9' is not an identity.*security.gateways"):
+        plant.endpoint_for("plc-9")
+    with pytest.raises(PlantConfigError, match=r"no password for 'plc-1'.*mosquitto-config"):
+        plant.endpoint_for("plc-1")
+
+
+# -- TLS ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["server-auth", "mutual"])
+async def test_a_tls_connection_with_a_ca_made_here(tmp_path: Path, mutual: bool) -> None:
+    ca = trustme.CA()
+    tls = broker_tls(tmp_path / "tls", ca).model_copy(update={"require_certificate": mutual})
+    plant = secured_plant(tmp_path, f"mqtts://{LOOPBACK}:{free_port(LOOPBACK)}", tls=tls,
+                          ca_file=tls.cafile)
+    broker = start_secured("mosquitto", plant, tmp_path)
+    try:
+        if mutual:
+            with pytest.raises(PlantConfigError, match="'ops' has no client certificate"):
+                plant.endpoint_for("ops")
+            client_cert = ca.issue_cert("ops.edgebus.invalid")
+            client_cert.cert_chain_pems[0].write_to_path(str(tmp_path / "credentials" / "ops.crt"))
+            client_cert.private_key_pem.write_to_path(str(tmp_path / "credentials" / "ops.key"))
+        endpoint = plant.endpoint_for("ops")
+        assert endpoint.tls and (endpoint.cert_file is not None) == mutual
+        bus = BusClient(endpoint, "sec.ops-tls", subscriptions=[(plant.topics.events, 1)])
+        runner = asyncio.create_task(bus.run(lambda message: None))
+        try:
+            await bus.wait_connected(WAIT_S)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        # Without trusting the CA (and, with mutual TLS, without a client certificate)
+        # the handshake fails.
+        context = ssl.create_default_context(cafile=str(tls.cafile) if mutual else None)
+        with pytest.raises(aiomqtt.MqttError):
+            async with aiomqtt.Client(LOOPBACK, endpoint.port, username="ops",
+                                      password=endpoint.password, tls_context=context,
+                                      timeout=REFUSED_TLS_WAIT_S):
+                pass
+    finally:
+        broker.stop()
+
+
+# -- a request through the secured stack -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny("llama", tmp_path_factory.mktemp("llama"), smollm2_dir)
+
+
+@pytest.mark.parametrize("kind", SECURED_KINDS)
+async def test_a_request_runs_end_to_end_and_no_secret_leaks(
+        tiny_llama: Path, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
+                          model=tiny_llama, mqtt5=kind == "mosquitto")
+    broker = start_secured(kind, plant, tmp_path)
+    request = GenerateRequest(id="sec-1", prompt="Alarm 4711 on press 3 means", max_tokens=8,
+                              ignore_eos=True)
+    try:
+        async with running(plant):
+            response = await ask(plant, request, client_id="plc-1", timeout=60)
+            # The broker would drop an answer outside the gateway's own topics: refused.
+            elsewhere = request.model_copy(update={
+                "id": "sec-2", "reply_to": f"{plant.topic_root}/llm/response/plc-2/x"})
+            refused = await ask(plant, elsewhere, client_id="plc-1", timeout=60)
+            retained = await _retained_as_ops(plant)
+    finally:
+        broker.stop()
+    assert response.error is None
+    assert response.tokens == reference_tokens(tiny_llama, request)
+    assert refused.error is not None and refused.error.code == "reply_to"
+    assert plant.topics.plan in retained
+    passwords = [password_path(tmp_path / "credentials", identity).read_text().strip()
+                 for identity in plant.identities()]
+    seen = "\n".join([caplog.text, *retained.values(), repr(plant),
+                      *(repr(plant.endpoint_for(identity)) for identity in plant.identities())])
+    # Every agent could write its status (and the ops identity read them).
+    assert {plant.topics.status(a) for a in ["stage-0", "stage-1", "coordinator"]} \
+        <= retained.keys()
+    for password in passwords:
+        assert password not in seen
+
+
+async def _retained_as_ops(plant: Plant) -> dict[str, str]:
+    """Every retained message an operator sees, statuses and the plan, by topic."""
+    payloads: dict[str, str] = {}
+    async with login(plant, "ops") as ops:
+        await ops.subscribe(f"{plant.topic_root}/status/#", qos=1)
+        await ops.subscribe(plant.topics.plan, qos=1)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):  # retained messages come at once
+                async for message in ops.messages:
+                    payloads[message.topic.value] = bytes(message.payload).decode()
+    return payloads
+
+
+# `edgebus up` starts four Python processes that import torch: ~10 s on two
+# cores (tests/test_launcher.py), with a wide margin for a loaded box.
+UP_S = 90.0
+
+
+async def test_edgebus_up_runs_behind_a_secured_embedded_broker(tiny_llama: Path,
+                                                                tmp_path: Path) -> None:
+    """The operator's path: plant file, `broker mosquitto-config`, `up`, `ask` as a gateway."""
+    plant = make_plant(tiny_llama, stages=2, plant_id="secup")
+    plant = plant.model_copy(update={
+        "broker": plant.broker.model_copy(update={"host": LOOPBACK, "port": free_port()}),
+        "security": Security(credentials=tmp_path / "credentials", gateways=["plc-1"],
+                             ops=["ops"], password_file=tmp_path / "broker" / "passwd")})
+    plant_path = tmp_path / "plant.yaml"
+    write_plant(plant, plant_path)
+    main(["broker", "mosquitto-config", str(plant_path), str(tmp_path / "broker")])
+    assert [p.name for p in (tmp_path / "broker").iterdir()] == ["passwd"]
+    with (tmp_path / "up.log").open("wb") as log:
+        up = subprocess.Popen([sys.executable, "-m", "edgebus", "up", str(plant_path)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # `up` says the plant is up once it has seen every agent online, which
+        # it watches as the ops identity.
+        async with asyncio.timeout(UP_S):
+            while "is up" not in (tmp_path / "up.log").read_text():
+                assert up.poll() is None, (tmp_path / "up.log").read_text()
+                await asyncio.sleep(0.1)
+        asker = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "edgebus", "ask", str(plant_path), "Alarm 4711 means",
+            "--raw", "--max-tokens", "5", "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(asker.communicate(), UP_S)
+        assert asker.returncode == 0, err.decode() + (tmp_path / "up.log").read_text()
+        with pytest.raises(aiomqtt.MqttCodeError):
+            async with login(plant, None):
+                pass
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(UP_S)
+    response = GenerateResponse.model_validate_json(out)
+    assert response.tokens == reference_tokens(
+        tiny_llama, GenerateRequest(id="x", prompt="Alarm 4711 means", max_tokens=5))
