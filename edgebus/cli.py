@@ -11,18 +11,66 @@ import asyncio
 import secrets
 import sys
 from pathlib import Path
+from typing import get_args
 
 from edgebus.errors import EdgebusError
+from plant_config.examples import EXAMPLES
+from plant_config.schema import Plant, WeightMode
+
+# `edgebus init`'s stage count without --stages or --example: the demo's split.
+_DEFAULT_STAGES = 3
 
 
 def _init(args: argparse.Namespace) -> None:
     from plant_config import init_plant_file
 
-    plant = init_plant_file(args.plant, args.model, stages=args.stages, broker=args.broker,
-                            topic_root=args.topic_root, force=args.force)
-    print(f"wrote {args.plant}: {len(plant.stages)} stages over {plant.num_layers} layers")
-    for stage in plant.stages:
-        print(f"  {stage.node}: layers [{stage.layers[0]}, {stage.layers[1]})")
+    if args.example is not None:
+        plant = _init_example(args)
+    else:
+        # None checks, not `or`: an explicit --stages 0 must get its error, not the default.
+        plant = init_plant_file(
+            args.plant, args.model,
+            stages=_DEFAULT_STAGES if args.stages is None else args.stages,
+            broker=args.broker or "embedded", topic_root=args.topic_root, force=args.force,
+            replicas=1 if args.replicas is None else args.replicas, weights=args.weights)
+    print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers")
+    for stage in plant.pipeline:
+        print(f"  layers [{stage.layers[0]}, {stage.layers[1]}): {', '.join(stage.node_ids)}")
+
+
+def _init_example(args: argparse.Namespace) -> Plant:
+    from node_agent.profile import model_costs
+    from plant_config.examples import example_plant
+    from plant_config.loader import write_new_plant
+
+    if args.stages is not None or args.replicas is not None:
+        raise EdgebusError(f"--example {args.example} sets the stages itself — drop --stages "
+                           "and --replicas")
+    costs, _, _ = model_costs(Path(args.model).expanduser().resolve())
+    plant = example_plant(args.example, args.model, costs, broker=args.broker,
+                          topic_root=args.topic_root, weights=args.weights)
+    return write_new_plant(plant, args.plant, force=args.force)
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from node_agent.profile import PROFILE_FILE, model_costs
+    from plant_config import load_plant
+    from plant_config.planner import evaluate, plan, plan_table, plant_boxes
+
+    plant = load_plant(args.plant)
+    stages = plant_boxes(plant)
+    costs, measured, fresh = model_costs(plant.model, remeasure=args.profile)
+    result = plan(costs, stages)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return
+    source = "measured now" if fresh else f"cached in {plant.model / PROFILE_FILE}"
+    print(f"plan for {args.plant}: {plant.model.name}, {costs.num_layers} layers; profile "
+          f"{source} ({measured.measured_at}; `--profile` measures again)")
+    current = evaluate(costs, stages, [stage.layers for stage in plant.pipeline])
+    print(plan_table(result, costs, current))
 
 
 def _node(args: argparse.Namespace) -> None:
@@ -40,21 +88,82 @@ def _coordinator(args: argparse.Namespace) -> None:
     run_coordinator(load_plant(args.plant))
 
 
+# `edgebus broker PLANT` runs the embedded broker; `edgebus broker mosquitto-config PLANT
+# OUTDIR` writes a Mosquitto config. argparse cannot have a positional and a
+# subcommand in one place, so `broker` takes the rest of the line and parses it here.
+MOSQUITTO_CONFIG = "mosquitto-config"
+
+
 def _broker(args: argparse.Namespace) -> None:
+    if args.plant == MOSQUITTO_CONFIG:
+        _mosquitto_config(mosquitto_config_parser().parse_args(args.rest))
+        return
+    if args.rest:
+        raise EdgebusError(f"unexpected arguments after the plant file: {' '.join(args.rest)} — "
+                           "`edgebus broker PLANT` runs the embedded broker, `edgebus broker "
+                           f"{MOSQUITTO_CONFIG} PLANT OUTDIR` writes a Mosquitto config")
+    from broker.amqtt_security import plugins_for
     from broker.embedded import run_broker_forever
     from plant_config import load_plant
 
-    settings = load_plant(args.plant).broker
+    plant = load_plant(args.plant)
+    settings = plant.broker
     if not settings.embedded:
         raise EdgebusError(f"{args.plant} uses the broker at {settings.url}; `edgebus broker` "
                            "runs only the embedded one (broker.url: embedded)")
-    run_broker_forever(settings.bind or settings.host, settings.port)
+    run_broker_forever(settings.bind or settings.host, settings.port,
+                       plugins_for(plant) if plant.security is not None else None)
+
+
+def _mosquitto_config(args: argparse.Namespace) -> None:
+    from broker.mosquitto_config import write_mosquitto_config
+    from plant_config import load_plant
+
+    plant = load_plant(args.plant)
+    written = write_mosquitto_config(plant, Path(args.outdir), broker=args.broker,
+                                     bind=args.bind, install_dir=args.install_dir)
+    for path in written:
+        print(f"wrote {path}")
+    assert plant.security is not None  # write_mosquitto_config refuses a plant without it
+    print(f"passwords: {plant.security.credentials}/<identity>.password (mode 600); give each "
+          "box only the files of the agents it runs")
+
+
+def mosquitto_config_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"edgebus broker {MOSQUITTO_CONFIG}",
+        description="Write mosquitto.conf, a password file and an ACL for the plant's "
+                    "identities (and passwords for those that have none yet).")
+    p.add_argument("plant")
+    p.add_argument("outdir", help="directory to write mosquitto.conf, passwd and acl into")
+    p.add_argument("--broker", metavar="NAME",
+                   help="a line broker from the plant's brokers: (default: the plant's broker)")
+    p.add_argument("--bind", metavar="ADDRESS",
+                   help="interface the listener binds to (default: all)")
+    p.add_argument("--install-dir", type=Path, metavar="DIR",
+                   help="where the files will live on the broker's box, as mosquitto.conf "
+                        "names them (default: OUTDIR)")
+    return p
 
 
 def _up(args: argparse.Namespace) -> None:
     from edgebus.launcher import run_up
 
     sys.exit(run_up(Path(args.plant)))
+
+
+def _status(args: argparse.Namespace) -> None:
+    import json
+
+    from edgebus import status_view
+    from plant_config import load_plant
+
+    plant = load_plant(args.plant)
+    wait = status_view.DEFAULT_WAIT_S if args.wait is None else args.wait
+    data = status_view.report(plant, asyncio.run(status_view.collect(plant, wait)))
+    print(json.dumps(data, indent=2) if args.json else status_view.table(data))
+    # An exit code for scripts and monitoring: 1 while any agent of the plant is not online.
+    sys.exit(0 if status_view.all_online(plant, data) else 1)
 
 
 def _ask(args: argparse.Namespace) -> None:
@@ -73,7 +182,8 @@ def _ask(args: argparse.Namespace) -> None:
     def show(delta: str) -> None:
         print(delta, end="", flush=True)
 
-    response = asyncio.run(ask(plant, request, on_delta=show if args.stream else None))
+    response = asyncio.run(ask(plant, request, client_id=args.client,
+                               on_delta=show if args.stream else None))
     if args.json:
         print(response.model_dump_json(indent=2))
     elif response.error is not None:
@@ -112,14 +222,32 @@ def build_parser() -> argparse.ArgumentParser:
         prog="edgebus", description="Pipeline-parallel LLM inference for edge boxes, over MQTT.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("init", help="write a plant file with an even layer split")
+    p = sub.add_parser("init", help="write a plant file with an even layer split, or an "
+                                    "example plant split by the planner")
     p.add_argument("plant", help="plant file to write (YAML)")
     p.add_argument("--model", required=True, help="model directory (HF layout)")
-    p.add_argument("--stages", type=int, default=3, help="number of stage nodes (default 3)")
-    p.add_argument("--broker", default="embedded", help="'embedded' or mqtt(s)://[user:pw@]host:port")
+    p.add_argument("--stages", type=int, help=f"number of stages (default {_DEFAULT_STAGES})")
+    p.add_argument("--replicas", type=int,
+                   help="nodes per stage; more than 1 gives failover standbys (default 1)")
+    p.add_argument("--example", choices=sorted(EXAMPLES),
+                   help="write an example plant with boxes, its layers split by `edgebus plan` "
+                        "(profiles the model first if it has no cached profile)")
+    p.add_argument("--broker", help="'embedded' or mqtt(s)://[user:pw@]host:port (default "
+                                    "embedded; an example's own broker with --example)")
     p.add_argument("--topic-root", help="MQTT topic root (default edgebus/<plant id>)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plant file")
+    p.add_argument("--weights", choices=get_args(WeightMode), default="fp32",
+                   help="weight mode of every node (default fp32, the only token-exact one; "
+                        "see docs/weight-modes.md)")
     p.set_defaults(run=_init)
+
+    p = sub.add_parser("plan", help="split the layers over the plant's boxes: fastest that fits")
+    p.add_argument("plant")
+    p.add_argument("--profile", action="store_true",
+                   help="measure the model's per-layer cost again instead of using the cache")
+    p.add_argument("--json", action="store_true",
+                   help='print only {"stages": [{"node": ..., "layers": [first, last+1]}, ...]}')
+    p.set_defaults(run=_plan)
 
     p = sub.add_parser("node", help="run a stage agent")
     p.add_argument("plant")
@@ -135,13 +263,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plant")
     p.set_defaults(run=_coordinator)
 
-    p = sub.add_parser("broker", help="run the embedded MQTT broker (amqtt)")
-    p.add_argument("plant")
+    p = sub.add_parser("broker", help="run the embedded MQTT broker (amqtt), or "
+                                      f"`broker {MOSQUITTO_CONFIG} PLANT OUTDIR`",
+                       usage=f"edgebus broker PLANT | edgebus broker {MOSQUITTO_CONFIG} PLANT "
+                             "OUTDIR [--broker NAME] [--bind ADDRESS] [--install-dir DIR]")
+    p.add_argument("plant", help=f"plant file, or {MOSQUITTO_CONFIG!r} followed by its arguments")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(run=_broker)
 
     p = sub.add_parser("up", help="start every agent of the plant, each in its own process")
     p.add_argument("plant")
     p.set_defaults(run=_up)
+
+    p = sub.add_parser("status", help="show every agent's retained status and the plan")
+    p.add_argument("plant")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--wait", type=float, metavar="S",
+                   help="seconds to wait for agents that have not reported (default 2)")
+    p.set_defaults(run=_status)
 
     p = sub.add_parser("ask", help="send one request and print the answer")
     p.add_argument("plant")
@@ -153,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.add_argument("--raw", action="store_true",
                    help="send TEXT as a verbatim prompt instead of a chat message")
+    p.add_argument("--client", metavar="ID",
+                   help="gateway id to ask as (default: the plant's first security.gateways "
+                        "entry, else a random one)")
     p.set_defaults(run=_ask)
 
     p = sub.add_parser("model", help="model tools")

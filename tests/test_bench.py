@@ -176,8 +176,9 @@ def result(tmp_path: Path) -> BenchResult:
         llama_cpp=None, idle_rss=300 * MIB, stage_layers=[(0, 10), (10, 20), (20, 30)],
         stage_param_bytes=[250 * MIB, 150 * MIB, 250 * MIB],
         pipelines=[_pipeline("amqtt", 9.0, 50.0), _pipeline("mosquitto", 9.6, 70.0)],
-        boxes=[BoxesRun(stages=1, load=[_load(4, 10.0), _load(8, 10.0)]),
-               BoxesRun(stages=2, load=[_load(4, 16.0), _load(8, 18.0)])],
+        boxes=[BoxesRun(stages=1, layers=[(0, 30)], load=[_load(4, 10.0), _load(8, 10.0)]),
+               BoxesRun(stages=2, layers=[(0, 19), (19, 30)],
+                        load=[_load(4, 16.0), _load(8, 18.0)])],
         elapsed_s=540.0, notes=["a note for the reader"])
 
 
@@ -237,7 +238,7 @@ def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
     assert "| amqtt | 60 | 1208 | 1208 | 64 | 635 |" in markdown
     assert "| mosquitto | 0.5 ms | 1.0 ms | 70.0 ms | 70.0 ms | 3.5 ms |" in markdown
     assert "| amqtt | stage-1 | 400 MiB | 400 MiB | 150 MiB | 100 MiB | pass |" in markdown
-    assert "| 2 stage(s), one core each | 8 | 18.0 | 1.80x |" in markdown
+    assert "| 2 stage(s) of 19 + 11 layers, one core each | 8 | 18.0 | 1.80x |" in markdown
     assert "![aggregate tokens/s against concurrency](benchmarks.png)" in markdown
     assert "- a note for the reader" in markdown
 

@@ -283,11 +283,15 @@ def _boxes(result: BenchResult) -> str:
     for run in result.boxes:
         for stats in run.load:
             base = one.get(stats.concurrency)
-            rows.append([f"{run.stages} stage(s), one core each", str(stats.concurrency),
-                         rate(stats.tok_s), times(_ratio(stats.tok_s, base))])
+            split = " + ".join(f"{stop - first}" for first, stop in run.layers)
+            rows.append([f"{run.stages} stage(s) of {split} layers, one core each",
+                         str(stats.concurrency), rate(stats.tok_s),
+                         times(_ratio(stats.tok_s, base))])
     return ("## Boxes add throughput\n\n"
             "Each stage one torch thread, pinned to a core of its own (as on its own box); "
-            "the broker (amqtt) and the coordinator unpinned.\n\n"
+            "the broker (amqtt) and the coordinator unpinned. The layers are split as "
+            "`edgebus plan` splits them over equal boxes (the last stage also runs the LM "
+            "head, so it gets fewer layers), from the profile in the model directory.\n\n"
             + table(["plant", "concurrency", "tok/s (aggregate)", "x 1 stage"], rows))
 
 
@@ -322,7 +326,9 @@ def _definitions(result: BenchResult) -> str:
 _STAGE_COMPUTE = (
     "## Stage compute\n\nWhat was tried to make a stage's forward pass faster (bf16, int8, "
     "torch.compile, batching), with numbers: [stage-compute.md](stage-compute.md), "
-    "made by `python -m edgebus.bench.compute`.")
+    "made by `python -m edgebus.bench.compute`. The weight modes a plant can choose per node "
+    "(fp32, bf16, int8), with tokens/s, stage RSS, greedy agreement with fp32 and perplexity: "
+    "[weight-modes.md](weight-modes.md), made by `python -m edgebus.bench.weights`.")
 
 
 def _notes(result: BenchResult) -> str:

@@ -105,6 +105,7 @@ class PipelineRun:
 @dataclass(frozen=True)
 class BoxesRun:
     stages: int
+    layers: list[tuple[int, int]]  # each stage's [first, last + 1)
     load: list[LoadStats]
 
 

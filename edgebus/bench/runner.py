@@ -55,8 +55,10 @@ from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.messages import GenerateRequest
 from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
 from edgebus.processes import LOOPBACK, free_port
+from node_agent.profile import model_costs
 from node_agent.text import prompt_ids
 from plant_config import Plant, make_plant, write_plant
+from plant_config.planner import balanced_split
 from plant_config.schema import EMBEDDED
 
 # The pipeline under test: an even 10/10/10 split of SmolLM2's 30 layers.
@@ -323,13 +325,20 @@ def run_boxes(stages: int, cpus: list[int], model_dir: Path, workdir: Path,
               settings: BenchSettings) -> BoxesRun:
     """`stages` stages of one thread each, stage i pinned to cpus[i]; broker and coordinator not."""
     plant = _plant(model_dir, f"bench-boxes-{stages}", stages, threads=1)
+    # Balanced as the planner balances equal boxes: an even split leaves the
+    # stage with the LM head the bottleneck and the other box idle part of the time.
+    layers = balanced_split(model_costs(model_dir)[0], stages)
+    plant = plant.model_copy(update={"stages": [
+        spec.model_copy(update={"layers": r}) for spec, r in zip(plant.stages, layers,
+                                                                 strict=True)]})
     pins = {stage.node: [cpu] for stage, cpu in zip(plant.stages, cpus, strict=False)}
     with contextlib.ExitStack() as stack:
         processes = _start(plant, workdir, stack, cpus=pins)
-        return asyncio.run(_measure_boxes(processes, settings))
+        return asyncio.run(_measure_boxes(processes, settings, layers))
 
 
-async def _measure_boxes(processes: PlantProcesses, settings: BenchSettings) -> BoxesRun:
+async def _measure_boxes(processes: PlantProcesses, settings: BenchSettings,
+                         layers: list[tuple[int, int]]) -> BoxesRun:
     await processes.wait_online(READY_TIMEOUT_S)
 
     def chat() -> GenerateRequest:
@@ -340,4 +349,4 @@ async def _measure_boxes(processes: PlantProcesses, settings: BenchSettings) -> 
             await gateway.generate(chat(), REQUEST_TIMEOUT_S)
         load = [await _load(gateway, chat, concurrency, settings)
                 for concurrency in BOXES_CONCURRENCY]
-    return BoxesRun(stages=len(processes.plant.stages), load=load)
+    return BoxesRun(stages=len(processes.plant.stages), layers=layers, load=load)

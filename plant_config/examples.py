@@ -1,0 +1,72 @@
+"""Example plants `edgebus init --example NAME` writes: real box mixes, layers from the planner."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from edgebus.errors import PlantConfigError
+from plant_config.layout import even_split
+from plant_config.planner import ModelCosts, Plan, plan, plant_boxes
+from plant_config.problems import from_validation_error, plant_error
+from plant_config.schema import Plant, WeightMode
+
+
+@dataclass(frozen=True)
+class Example:
+    broker: str
+    # BoxSpec fields of each box, in pipeline order; each box runs one stage.
+    boxes: tuple[dict[str, Any], ...]
+
+
+EXAMPLES: dict[str, Example] = {
+    # The seed's plant. 6 GiB of each 8 GB box leaves 2 GB for the OS,
+    # Mosquitto and (on the Jetson) JetPack's services. The Jetson comes last:
+    # the last stage also runs the LM head, which costs as much per decoded
+    # token as ~6 SmolLM2 layers, so the fastest box should take it.
+    "jetson-2pi": Example(
+        broker="mqtt://jetson:1883",  # Mosquitto on the Jetson
+        boxes=({"name": "pi-1", "memory_mb": 6144, "device": "rpi5", "speed": 1.0},
+               {"name": "pi-2", "memory_mb": 6144, "device": "rpi5", "speed": 1.0},
+               {"name": "jetson", "memory_mb": 6144, "device": "jetson-orin-nano",
+                "speed": 3.0})),
+}
+
+
+def example_plant(name: str, model_dir: str | os.PathLike[str], costs: ModelCosts, *,
+                  broker: str | None = None, topic_root: str | None = None,
+                  weights: WeightMode = "fp32") -> Plant:
+    """The example plant `name` for the model in `model_dir`, its layers split by the planner."""
+    if name not in EXAMPLES:
+        raise PlantConfigError(f"no example plant {name!r} — choose one of "
+                               f"{', '.join(sorted(EXAMPLES))}")
+    example = EXAMPLES[name]
+    ranges = even_split(costs.num_layers, len(example.boxes))  # replaced by the plan's
+    data = {"plant_id": "plant", "topic_root": topic_root or "edgebus/plant",
+            "broker": {"url": broker or example.broker},
+            "model": Path(model_dir).expanduser().resolve(), "boxes": list(example.boxes),
+            "stages": [{"node": box["name"], "layers": layers, "weights": weights}
+                       for box, layers in zip(example.boxes, ranges, strict=True)]}
+    plant = _validated(data)
+    return with_plan(plant, plan(costs, plant_boxes(plant)))
+
+
+def with_plan(plant: Plant, result: Plan) -> Plant:
+    """`plant` with every stage node's layers taken from `result`."""
+    layers = {box.node: stage.layers for stage in result.stages for box in stage.boxes}
+    # Only what was set: defaults given back as values would read as set on purpose
+    # (an external broker refuses an embedded broker's host and port).
+    data = plant.model_dump(exclude_unset=True)
+    data["stages"] = [{**stage, "layers": layers[stage["node"]]} for stage in data["stages"]]
+    return _validated(data)
+
+
+def _validated(data: dict[str, Any]) -> Plant:
+    try:
+        return Plant.model_validate(data)
+    except ValidationError as exc:
+        raise plant_error(None, from_validation_error(exc, Plant)) from None
