@@ -10,6 +10,9 @@ around them (`LlamaModel.forward` and friends), which is what a pipeline stage
 must own: it starts from token ids or from hidden states, and hands its KV
 cache to the layers itself.
 
+Weights are read in fp32 and then converted to the stage's weight mode
+(fp32, bf16 or int8: `node_agent/quantize.py`).
+
 Shapes: B = requests in a batched decode step, T = token positions in this
 call, H = hidden size, V = vocabulary size.
 """
@@ -24,9 +27,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from edgebus.errors import CheckpointError
-from node_agent.checkpoint import load_tensors, tensor_locations
+from node_agent.checkpoint import CheckpointReader
 from node_agent.kv_cache import KVCache
+from node_agent.quantize import quantize
 from node_agent.ragged import ATTENTION_NAME, BatchKV
+from plant_config.schema import WeightMode
 
 
 @dataclass(frozen=True)
@@ -50,12 +55,22 @@ class StageModel(nn.Module):
     """The modules one stage owns, with prefill and decode entry points."""
 
     def __init__(self, model_dir: Path, first: int, end: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, weights: WeightMode = "fp32") -> None:
         super().__init__()
         config = AutoConfig.from_pretrained(model_dir)
         self.config: PretrainedConfig = config
         self.slice = StageSlice(first, end, config.num_hidden_layers)
         self.dtype = dtype
+        self._build(model_dir)
+        if weights != "fp32":
+            # After _build has returned: the skeleton, which still referenced the
+            # fp32 embedding and head, is gone, so converting frees them.
+            quantize(self, weights)
+            _copy_out_of_checkpoint(self, dtype)
+        self.eval()
+
+    def _build(self, model_dir: Path) -> None:
+        config, dtype, first, end = self.config, self.dtype, self.slice.first, self.slice.end
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
                 config, attn_implementation=ATTENTION_NAME, dtype=dtype)
@@ -79,34 +94,34 @@ class StageModel(nn.Module):
         # checkpoint: build this module for real so they come out right.
         self.rotary_emb = type(decoder.rotary_emb)(config=config)
 
-        self._load(model_dir, owned, tied_head_key=f"{prefix}.embed_tokens.weight"
+        self._load(CheckpointReader(model_dir, skeleton), owned,
+                   tied_head_key=f"{prefix}.embed_tokens.weight"
                    if getattr(config, "tie_word_embeddings", False) else None)
-        self.eval()
 
-    def _load(self, model_dir: Path, owned: dict[str, nn.Module],
+    def _load(self, checkpoint: CheckpointReader, owned: dict[str, nn.Module],
               tied_head_key: str | None) -> None:
-        locations = tensor_locations(model_dir)
-        wanted: list[tuple[str, nn.Module, str]] = []  # (checkpoint key, module, tensor name)
+        wanted: list[tuple[str, nn.Module, str]] = []  # (model key, module, tensor name)
         for key_prefix, module in owned.items():
             for name, _ in [*module.named_parameters(), *module.named_buffers()]:
                 key = key_prefix + name
-                if key not in locations and tied_head_key and module is self.lm_head:
+                if key not in checkpoint and tied_head_key and module is self.lm_head:
                     key = tied_head_key
                 wanted.append((key, module, name))
         # A tied head and embedding name one key: it is read once, set twice.
-        tensors = load_tensors(model_dir, {key for key, _, _ in wanted}, locations)
+        tensors = checkpoint.load({key for key, _, _ in wanted})
         for key, module, name in wanted:
             tensor = tensors[key]
             tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
             _set_tensor(module, name, tensor)
         leftover = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
         if leftover:
-            raise CheckpointError(f"{model_dir}: no values for {leftover[:5]}: this model family "
-                                  "computes tensors at init that edgebus does not rebuild yet")
+            raise CheckpointError(f"{checkpoint.model_dir}: no values for {leftover[:5]}: this "
+                                  "model family computes tensors at init that edgebus does not "
+                                  "rebuild yet")
 
     @property
     def param_bytes(self) -> int:
-        """Bytes of parameters this stage holds (a tied tensor counts once)."""
+        """Bytes of parameters this stage holds, in its weight mode (a tied tensor counts once)."""
         unique = {p.data_ptr(): p.nelement() * p.element_size() for p in self.parameters()}
         return sum(unique.values())
 
@@ -166,6 +181,20 @@ def _module_path(root: nn.Module, target: nn.Module) -> str:
         if module is target:
             return str(name)
     raise CheckpointError(f"{type(target).__name__} is not part of {type(root).__name__}")
+
+
+def _copy_out_of_checkpoint(module: nn.Module, dtype: torch.dtype) -> None:
+    """Give the tensors of `module` still in `dtype`, as read, memory of their own.
+
+    safetensors hands out tensors backed by a memory map of the whole file, and
+    the map lives as long as any of them: one fp32 norm weight left in it keeps
+    every page the conversion read (all of the stage's fp32 weights) resident.
+    Converted tensors (never in the stage's dtype) already own their memory;
+    copying them too would leave their old copies as holes in the heap.
+    """
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.dtype == dtype:
+            _set_tensor(module, name, tensor.detach().clone())
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from brokers import (
     MosquittoBroker,
     mosquitto_binary,
 )
+from tiny_models import build_tiny
 
 from edgebus.model_import import ensure_demo_model
 
@@ -81,3 +82,9 @@ def broker(request: pytest.FixtureRequest) -> BrokerHandle:
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct in HF layout, imported once per machine into the edgebus cache."""
     return ensure_demo_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def deepseek_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny random DeepSeek-V3 (MLA, dense layer 0, MoE after), one checkpoint file."""
+    return build_tiny("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"), smollm2_dir)

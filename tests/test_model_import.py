@@ -53,7 +53,8 @@ def _byte_level_alphabet() -> list[str]:
 def write_tiny_gguf(path: Path, *, arch: str = "llama", embedding_type: str = "F32") -> Path:
     """A 2-layer Llama GGUF with a byte-level BPE tokenizer and a chat template.
 
-    `embedding_type="Q8_1"` stores the embedding in a type gguf-py cannot dequantize.
+    `embedding_type` is the GGML type of the embedding, quantized by gguf-py
+    ("Q8_0", "Q4_1", ...); "Q8_1", a type gguf-py cannot dequantize, is stored as zeros.
     """
     hidden, layers, ffn, heads, kv_heads = 64, 2, 128, 4, 2
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -83,12 +84,17 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", embedding_type: str = "F
     def add(name: str, *shape: int) -> None:
         writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
 
-    if embedding_type == "Q8_1":
-        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
-        raw = np.zeros((len(tokens), hidden // block_elems * block_bytes), dtype=np.uint8)
-        writer.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
-    else:
+    if embedding_type == "F32":
         add("token_embd.weight", len(tokens), hidden)
+    else:
+        qtype = gguf.GGMLQuantizationType[embedding_type]
+        values = (rng.standard_normal((len(tokens), hidden)) * 0.02).astype(np.float32)
+        try:
+            raw = gguf.quants.quantize(values, qtype)
+        except NotImplementedError:  # Q8_1: gguf-py can neither quantize nor dequantize it
+            block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((len(tokens), hidden // block_elems * block_bytes), dtype=np.uint8)
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=qtype)
     kv_dim = hidden // heads * kv_heads
     for i in range(layers):
         add(f"blk.{i}.attn_norm.weight", hidden)
@@ -207,6 +213,24 @@ def test_destination_already_imported(tiny_gguf: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelImportError,
                        match=r"already holds a complete import of tiny\.gguf: use it as it is"):
         import_gguf(tiny_gguf, dest, progress=False)
+
+
+# Row-quantized types whose 32-wide blocks fit the tiny model's 64-wide rows
+# (K-quants need 256), and the two 16-bit floats.
+DEQUANTIZABLE = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16"]
+
+
+@pytest.mark.parametrize("qtype", DEQUANTIZABLE)
+def test_quantization_types_are_imported_dequantized(tmp_path: Path, qtype: str) -> None:
+    src = write_tiny_gguf(tmp_path / f"{qtype}.gguf", embedding_type=qtype)
+    dest = import_gguf(src, tmp_path / "model", progress=False)
+    stored = next(t for t in gguf.GGUFReader(src).tensors if t.name == "token_embd.weight")
+    assert stored.tensor_type.name == qtype
+    expected = gguf.quants.dequantize(stored.data, stored.tensor_type)                # [V,H]
+    with safe_open(str(dest / WEIGHTS_FILE), framework="pt") as f:
+        imported = f.get_tensor("model.embed_tokens.weight")
+    assert imported.dtype == torch.float32
+    assert torch.equal(imported, torch.from_numpy(expected.astype(np.float32)))
 
 
 def test_unsupported_quantization_is_named(tmp_path: Path) -> None:

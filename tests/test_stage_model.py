@@ -57,24 +57,44 @@ def rss():
         if line.startswith("VmRSS"):
             return int(line.split()[1]) * 1024
 
-StageModel(Path(sys.argv[1]), 0, 1)  # pay for imports and lazy initialisation first
+model_dir, weights = Path(sys.argv[1]), sys.argv[2]
+StageModel(model_dir, 1, 2, weights=weights)  # pay for imports and lazy initialisation first
 base = rss()
-stage = StageModel(Path(sys.argv[1]), 10, 20)
-# Weights are memory-mapped: touch every one so they are really resident.
-assert all(bool(p.sum().isfinite()) for p in stage.parameters())
+stage = StageModel(model_dir, 10, 20, weights=weights)
+# fp32 weights are memory-mapped: touch every one so they are really resident.
+# max, not sum: an int8 sum makes int64 temporaries, whose leftovers in the heap
+# moved the int8 figure by up to 25 MB from run to run.
+assert all(bool(p.max().isfinite()) for p in stage.parameters())
 print(json.dumps({"grown": rss() - base, "params": stage.param_bytes}))
 """
 
 
+def _middle_stage_memory(model_dir: Path, weights: str) -> dict[str, int]:
+    """How much a fresh process grows loading layers [10, 20) in `weights` mode."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(model_dir), weights], check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    measured: dict[str, int] = json.loads(out.strip().splitlines()[-1])
+    return measured
+
+
 @pytest.mark.slow
 def test_middle_stage_process_memory_grows_by_its_layers_only(smollm2_dir: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(smollm2_dir)], check=True,
-                         capture_output=True, text=True, timeout=120).stdout
-    measured = json.loads(out.strip().splitlines()[-1])
+    measured = _middle_stage_memory(smollm2_dir, "fp32")
     full_model = _checkpoint_bytes(smollm2_dir, ("",))
     # 10 of 30 layers are ~26 % of SmolLM2's bytes (the embedding is the rest).
     assert measured["grown"] < measured["params"] * 1.1 + 32 * 2**20
     assert measured["grown"] < full_model * 0.4
+
+
+@pytest.mark.slow
+def test_int8_stage_resident_memory_is_at_most_035_of_fp32(smollm2_dir: Path) -> None:
+    fp32 = _middle_stage_memory(smollm2_dir, "fp32")
+    int8 = _middle_stage_memory(smollm2_dir, "int8")
+    bf16 = _middle_stage_memory(smollm2_dir, "bf16")
+    # int8 codes are a quarter of fp32, plus one bf16 scale per 576-wide row and fp32 norms.
+    assert int8["params"] < 0.26 * fp32["params"]
+    assert int8["grown"] <= 0.35 * fp32["grown"], (int8, fp32)
+    assert bf16["grown"] <= 0.6 * fp32["grown"], (bf16, fp32)
 
 
 @pytest.mark.slow
