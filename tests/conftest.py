@@ -85,6 +85,12 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama (6 layers, 64 wide) with SmolLM2's tokenizer: seconds, not minutes."""
+    return build_tiny("llama", tmp_path_factory.mktemp("llama"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
 def deepseek_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The tiny random DeepSeek-V3 (MLA, dense layer 0, MoE after), one checkpoint file."""
     return build_tiny("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"), smollm2_dir)

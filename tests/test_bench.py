@@ -227,6 +227,18 @@ def test_quick_run_reports_what_it_skipped(result: BenchResult) -> None:
     assert "Skipped: matplotlib is not installed" in markdown
 
 
+def test_the_weight_mode_table_is_copied_in_when_it_was_measured(result: BenchResult) -> None:
+    assert "## Weight modes" not in report.render_markdown(result, None)
+    doc = result.settings.out.parent / report.WEIGHT_MODES_DOC
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text("# Weight modes\n\nA stage's weights ... measured on 2026-11-30.\n\n"
+                   "| weights | decode tok/s |\n| --- | --- |\n| int8 | 48.3 |\n\nReproduce: ...\n")
+    markdown = report.render_markdown(result, None)
+    assert "## Weight modes\n\nFrom [weight-modes.md](weight-modes.md): A stage's weights" \
+        in markdown
+    assert "| weights | decode tok/s |\n| --- | --- |\n| int8 | 48.3 |" in markdown
+
+
 def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
     markdown = report.render_markdown(result, "benchmarks.png")
     assert f"edgebus bench --out {result.settings.out}\n" in markdown

@@ -19,7 +19,6 @@ import trustme
 from brokers import MosquittoBroker
 from certs import broker_tls
 from pipeline import reference_tokens, running
-from tiny_models import build_tiny
 
 from broker.acl import bridge_topics
 from broker.mosquitto_config import write_mosquitto_config
@@ -30,11 +29,6 @@ from plant_config import BrokerSettings, Plant, StageSpec
 from plant_config.schema import BrokerTls, Security
 
 WAIT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return build_tiny("llama", tmp_path_factory.mktemp("llama"), smollm2_dir)
 
 
 def bridged_plant(model: Path, tmp_path: Path, site_port: int, line_port: int,

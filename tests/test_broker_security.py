@@ -32,7 +32,6 @@ import trustme
 from brokers import AmqttBroker, BrokerHandle, MosquittoBroker
 from certs import broker_tls
 from pipeline import reference_tokens, running
-from tiny_models import build_tiny
 
 from broker.amqtt_security import plugins_for
 from broker.mosquitto_config import write_mosquitto_config
@@ -252,11 +251,6 @@ async def test_a_tls_connection_with_a_ca_made_here(tmp_path: Path, mutual: bool
 
 
 # -- a request through the secured stack -------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return build_tiny("llama", tmp_path_factory.mktemp("llama"), smollm2_dir)
 
 
 @pytest.mark.parametrize("kind", SECURED_KINDS)

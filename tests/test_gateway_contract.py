@@ -16,23 +16,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiomqtt
-import pytest
 import torch
 from brokers import BrokerHandle
 from paho.mqtt.properties import Properties
 from pipeline import plant_for, reference_tokens, running
-from tiny_models import build_tiny
 
 from edgebus import frames
 from edgebus.frames import Header, Kind
 from edgebus.messages import GenerateRequest, GenerateResponse
 
 WAIT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return build_tiny("llama", tmp_path_factory.mktemp("llama"), smollm2_dir)
 
 
 def _expected(model_dir: Path, request: dict[str, object]) -> list[int]:

@@ -18,13 +18,11 @@ import zlib
 from pathlib import Path
 
 import aiomqtt
-import pytest
 import torch
 from brokers import BrokerHandle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pipeline import plant_for, reference_tokens, running
-from tiny_models import build_tiny
 from transformers import AutoConfig
 
 from edgebus import frames
@@ -46,11 +44,6 @@ FUZZ_MESSAGES = 10_000
 FUZZ_WINDOW = 200
 WAIT_S = 120.0
 HIDDEN = 64  # the tiny llama's width
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return build_tiny("llama", tmp_path_factory.mktemp("llama"), smollm2_dir)
 
 
 # -- the request parser, property-based -------------------------------------------

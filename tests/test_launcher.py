@@ -23,7 +23,6 @@ from pathlib import Path
 import aiomqtt
 import pytest
 from brokers import LOOPBACK, BrokerHandle, free_port
-from tiny_models import build_tiny
 
 from edgebus.errors import EdgebusError
 from edgebus.launcher import STOP_GRACE_S, PlantProcesses
@@ -43,11 +42,6 @@ STOP_S = 2 * STOP_GRACE_S + 5.0
 POLL_S = 0.05
 
 Statuses = dict[str, AgentStatus]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return build_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
 def plant_file(model: Path, workdir: Path, broker: str = "embedded") -> tuple[Path, Plant]:
@@ -180,8 +174,8 @@ async def watch_statuses(plant: Plant, timeout: float = READY_S) -> AsyncIterato
         await client.__aexit__(None, None, None)
 
 
-async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
-    plant_path, plant = plant_file(tiny_model, tmp_path)
+async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
+    plant_path, plant = plant_file(tiny_llama, tmp_path)
     agents = agent_ids(plant)
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
@@ -207,11 +201,11 @@ async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_model: Path, tmp_pat
         assert wait_gone(children, 1.0) == []
 
 
-async def test_children_die_with_a_sigkilled_up(tiny_model: Path, tmp_path: Path,
+async def test_children_die_with_a_sigkilled_up(tiny_llama: Path, tmp_path: Path,
                                                 mosquitto_broker: BrokerHandle) -> None:
     # An external broker outlives `up`, so the statuses left behind can be read.
     plant_path, plant = plant_file(
-        tiny_model, tmp_path, f"mqtt://{mosquitto_broker.host}:{mosquitto_broker.port}")
+        tiny_llama, tmp_path, f"mqtt://{mosquitto_broker.host}:{mosquitto_broker.port}")
     agents = agent_ids(plant)
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
@@ -226,9 +220,9 @@ async def test_children_die_with_a_sigkilled_up(tiny_model: Path, tmp_path: Path
         await watch.wait(all_are(agents, "offline"), 5.0)
 
 
-async def test_a_dead_stage_stops_the_plant_with_exit_1(tiny_model: Path,
+async def test_a_dead_stage_stops_the_plant_with_exit_1(tiny_llama: Path,
                                                         tmp_path: Path) -> None:
-    plant_path, plant = plant_file(tiny_model, tmp_path)
+    plant_path, plant = plant_file(tiny_llama, tmp_path)
     agents = agent_ids(plant)
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
@@ -242,9 +236,9 @@ async def test_a_dead_stage_stops_the_plant_with_exit_1(tiny_model: Path,
     assert f"{victim} (pid {online[victim].pid}) was killed by SIGKILL" in report
 
 
-def test_a_taken_broker_port_fails_before_anything_starts(tiny_model: Path,
+def test_a_taken_broker_port_fails_before_anything_starts(tiny_llama: Path,
                                                           tmp_path: Path) -> None:
-    plant_path, plant = plant_file(tiny_model, tmp_path)
+    plant_path, plant = plant_file(tiny_llama, tmp_path)
     with socket.create_server((LOOPBACK, plant.broker.port)):  # as a Mosquitto on 1883 would
         plant_processes = PlantProcesses(plant_path)
         with pytest.raises(EdgebusError, match=f"port {plant.broker.port} .* already in use"):

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from brokers import AmqttBroker, free_port
 from pipeline import plant_for
-from tiny_models import build_tiny
 
 from edgebus import sd_notify
 from edgebus.processes import LOOPBACK
@@ -39,11 +38,6 @@ RECONNECT_S = 10.0
 STOP_S = 15.0
 # Watchdog periods to watch for a ping that must not come.
 QUIET_PERIODS = 10
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return build_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
 @pytest.fixture
@@ -114,10 +108,10 @@ def test_watchdog_period_is_half_the_timeout_and_only_for_this_process(
 
 
 async def test_agent_is_ready_once_connected_and_pings_only_while_connected(
-        tmp_path: Path, tiny_model: Path, amqtt_broker: AmqttBroker,
+        tmp_path: Path, tiny_llama: Path, amqtt_broker: AmqttBroker,
         notify_socket: tuple[socket.socket, str]) -> None:
     plant_path = tmp_path / "plant.yaml"
-    write_plant(plant_for(tiny_model, amqtt_broker, [(0, 3), (3, 6)]), plant_path)
+    write_plant(plant_for(tiny_llama, amqtt_broker, [(0, 3), (3, 6)]), plant_path)
     sock, address = notify_socket
     log = tmp_path / "coordinator.log"
     agent = start_notifying(["coordinator", str(plant_path)], address, log)
@@ -151,9 +145,9 @@ async def test_agent_is_ready_once_connected_and_pings_only_while_connected(
 
 
 async def test_embedded_broker_is_ready_once_listening_and_pings(
-        tmp_path: Path, tiny_model: Path, notify_socket: tuple[socket.socket, str]) -> None:
+        tmp_path: Path, tiny_llama: Path, notify_socket: tuple[socket.socket, str]) -> None:
     port = free_port()
-    plant = make_plant(tiny_model, stages=2, plant_id="notify")
+    plant = make_plant(tiny_llama, stages=2, plant_id="notify")
     plant = plant.model_copy(update={"broker": plant.broker.model_copy(
         update={"host": LOOPBACK, "port": port})})
     plant_path = tmp_path / "plant.yaml"

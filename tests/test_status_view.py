@@ -19,10 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import aiomqtt
-import pytest
 from brokers import AmqttBroker, BrokerHandle
 from pipeline import ask_all, plant_for, running
-from tiny_models import build_tiny
 
 from edgebus.client import BusClient
 from edgebus.messages import AgentStatus, GenerateRequest
@@ -39,11 +37,6 @@ STATUS_CLI_S = 30.0
 EXPECT_S = 15.0
 # Tokens the test request generates, so the coordinator's counter has something to count.
 TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return build_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
 class CuttableProxy:
@@ -177,9 +170,9 @@ def agent(data: dict[str, Any], agent_id: str) -> dict[str, Any]:
     return next(a for a in data["agents"] if a["agent_id"] == agent_id)
 
 
-async def test_edgebus_status_shows_the_live_plant(tiny_model: Path, amqtt_broker: AmqttBroker,
+async def test_edgebus_status_shows_the_live_plant(tiny_llama: Path, amqtt_broker: AmqttBroker,
                                                    tmp_path: Path) -> None:
-    plant = plant_for(tiny_model, amqtt_broker, [(0, 3), (3, 6)]).model_copy(
+    plant = plant_for(tiny_llama, amqtt_broker, [(0, 3), (3, 6)]).model_copy(
         update={"liveness": Liveness(heartbeat_s=HEARTBEAT_S, timeout_s=10 * HEARTBEAT_S)})
     plant_path = tmp_path / "plant.yaml"
     write_plant(plant, plant_path)
