@@ -100,13 +100,17 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 # -- markdown ------------------------------------------------------------------------
 
+# Written by `python -m edgebus.bench.weights` beside the report.
+WEIGHT_MODES_DOC = "weight-modes.md"
+
 
 def render_markdown(result: BenchResult, plot_name: str | None) -> str:
     """The whole `docs/benchmarks.md`; `plot_name` is the PNG beside it, None if skipped."""
     sections = [
         _header(result), _machine(result), _workload(result), _targets(result),
         _baselines(result), _single(result), _concurrency(result), _wire(result),
-        _hops(result), _memory(result), _boxes(result), _STAGE_COMPUTE, _plot(plot_name),
+        _hops(result), _memory(result), _boxes(result), _STAGE_COMPUTE,
+        _weight_modes(result.settings.out.parent / WEIGHT_MODES_DOC), _plot(plot_name),
         _definitions(result), _notes(result)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -329,6 +333,20 @@ _STAGE_COMPUTE = (
     "made by `python -m edgebus.bench.compute`. The weight modes a plant can choose per node "
     "(fp32, bf16, int8), with tokens/s, stage RSS, greedy agreement with fp32 and perplexity: "
     "[weight-modes.md](weight-modes.md), made by `python -m edgebus.bench.weights`.")
+
+
+def _weight_modes(doc: Path) -> str:
+    """The weight-mode table of `python -m edgebus.bench.weights`, if it has been run.
+
+    Copied in, not re-measured: that benchmark takes minutes of its own and
+    loads the model once per mode; the doc it writes says when it ran.
+    """
+    if not doc.is_file():
+        return ""
+    lines = doc.read_text(encoding="utf-8").splitlines()
+    rows = [line for line in lines if line.startswith("|")]
+    when = next((line for line in lines if line.startswith("A stage's weights")), "")
+    return "\n".join([f"## Weight modes\n\nFrom [{doc.name}]({doc.name}): {when}\n", *rows])
 
 
 def _notes(result: BenchResult) -> str:
