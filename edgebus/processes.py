@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
 
 from edgebus.errors import EdgebusError
 
 LOOPBACK = "127.0.0.1"
+# What a stage agent imports before it loads a single weight.
+_IDLE_AGENT_CODE = ("import torch, transformers, node_agent.stage; "
+                    "print(open('/proc/self/status').read())")
 # <linux/prctl.h>
 _PR_SET_PDEATHSIG = 1
 
@@ -63,3 +68,22 @@ def cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def proc_status_bytes(proc_status: str, key: str) -> int:
+    """A memory field of /proc/<pid>/status in bytes: "VmHWM" (peak RSS), "VmRSS" (RSS now)."""
+    found = re.search(rf"^{key}:\s+(\d+)\s+kB$", proc_status, re.MULTILINE)
+    if found is None:
+        raise ValueError(f"no {key} line: not the text of /proc/<pid>/status")
+    return int(found.group(1)) * 1024
+
+
+def idle_agent_rss() -> int:
+    """Peak RSS of a fresh Python that imports what a stage agent imports and builds nothing.
+
+    Measured in a child process: the caller's own memory (a test session, a
+    bench with models loaded) says nothing of what an agent starts from.
+    """
+    result = subprocess.run([sys.executable, "-c", _IDLE_AGENT_CODE], capture_output=True,
+                            text=True, check=True)
+    return proc_status_bytes(result.stdout, "VmHWM")

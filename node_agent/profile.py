@@ -11,8 +11,9 @@ threads on cores another process also used, decode measured ~10x slower
 
 Memory: weight bytes per part and weight mode come from the model's shapes
 (`quantize.stored_bytes` on a meta-device skeleton, nothing loaded), and the
-per-process baseline is this process's resident memory once it has imported
-what a stage agent imports, before any weight is loaded.
+per-process baseline is the peak resident memory of a fresh Python that
+imports what a stage agent imports (measured in a child process: the
+caller's own memory, a test session's say, says nothing of an agent's).
 
 The measured part is cached as `edgebus-profile.json` in the model directory
 and reused while the host, torch version and checkpoint files are the same;
@@ -37,6 +38,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from edgebus.errors import EdgebusError
+from edgebus.processes import idle_agent_rss
 from node_agent.checkpoint import tensor_locations
 from node_agent.kv_cache import KVCache
 from node_agent.quantize import WEIGHT_MODES, stored_bytes
@@ -86,10 +88,7 @@ def model_costs(model_dir: Path, *, remeasure: bool = False) -> tuple[ModelCosts
 
 def measure(model_dir: Path, *, rounds: int = ROUNDS) -> Measured:
     """Time every part of the model in `model_dir` on this machine (see the module doc)."""
-    # What a stage agent imports, so the baseline is what every agent holds.
-    import node_agent.stage  # noqa: F401
-
-    baseline = _rss_bytes()
+    baseline = idle_agent_rss()
     threads = torch.get_num_threads()
     torch.set_num_threads(PROFILE_THREADS)
     try:
@@ -181,14 +180,6 @@ def _timing(parts: dict[str | int, tuple[nn.Module, nn.Module]],
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _rss_bytes() -> int:
-    """This process's resident set size (VmRSS)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise EdgebusError("cannot read this process's resident memory from /proc/self/status")
 
 
 def _cache_key(model_dir: Path) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from edgebus.bench.metrics import (
     marginal_rate,
     param_bytes_by_stage,
     percentile,
-    proc_status_bytes,
     stream_stats,
     time_to_first_token,
 )
@@ -36,6 +35,7 @@ from edgebus.bench.results import (
     TransformersBaseline,
     Wire,
 )
+from edgebus.processes import proc_status_bytes
 
 MIB = 1024**2
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import gc
 import math
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,13 +24,13 @@ from transformers.generation.streamers import BaseStreamer
 from edgebus.bench.metrics import (
     StreamStats,
     Trace,
-    proc_status_bytes,
     stream_stats,
     time_to_first_token,
 )
 from edgebus.bench.results import TransformersBaseline
 from edgebus.bench.workload import chat_request, long_request
 from edgebus.errors import EdgebusError
+from edgebus.processes import proc_status_bytes
 from node_agent.checkpoint import tensor_locations
 from node_agent.text import prompt_ids
 
@@ -45,8 +43,6 @@ STATIC_BATCHES = (8, 16)
 LLAMA_CPP_CONTEXT = 2048
 # What a stage agent imports before it builds its model: the RSS every agent
 # pays whatever its share of the weights.
-_IDLE_AGENT_CODE = ("import torch, transformers, node_agent.stage; "
-                    "print(open('/proc/self/status').read())")
 # Bytes per element of the safetensors dtypes a checkpoint may hold.
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                 "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -151,13 +147,6 @@ def rss(pid: int) -> tuple[int, int]:
     """(peak, current) resident set size of a running process in bytes: VmHWM, VmRSS."""
     status = Path(f"/proc/{pid}/status").read_text()
     return proc_status_bytes(status, "VmHWM"), proc_status_bytes(status, "VmRSS")
-
-
-def idle_agent_rss() -> int:
-    """Peak RSS of a Python that imports what a stage agent imports and builds nothing."""
-    result = subprocess.run([sys.executable, "-c", _IDLE_AGENT_CODE], capture_output=True,
-                            text=True, check=True)
-    return proc_status_bytes(result.stdout, "VmHWM")
 
 
 def checkpoint_tensor_bytes(model_dir: Path) -> dict[str, int]:

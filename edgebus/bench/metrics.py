@@ -148,14 +148,6 @@ def counter_delta(before: Mapping[str, float], after: Mapping[str, float], key: 
     return after[key] - before[key]
 
 
-def proc_status_bytes(proc_status: str, key: str) -> int:
-    """A memory field of /proc/<pid>/status in bytes: "VmHWM" (peak RSS), "VmRSS" (RSS now)."""
-    found = re.search(rf"^{key}:\s+(\d+)\s+kB$", proc_status, re.MULTILINE)
-    if found is None:
-        raise ValueError(f"no {key} line: not the text of /proc/<pid>/status")
-    return int(found.group(1)) * 1024
-
-
 def param_bytes_by_stage(tensor_bytes: Mapping[str, int],
                          layers: Sequence[tuple[int, int]]) -> list[int]:
     """Bytes of the checkpoint tensors each stage holds: its layers, the embedding on the

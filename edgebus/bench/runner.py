@@ -54,7 +54,7 @@ from edgebus.errors import EdgebusError
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.messages import GenerateRequest
 from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
-from edgebus.processes import LOOPBACK, free_port
+from edgebus.processes import LOOPBACK, free_port, idle_agent_rss
 from node_agent.profile import model_costs
 from node_agent.text import prompt_ids
 from plant_config import Plant, make_plant, write_plant
@@ -114,7 +114,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
             llama = baseline.run_llama_cpp(bundled_gguf(), chat_ids, tokens=settings.tokens,
                                            runs=settings.runs, threads=cores)
         with _phase(bar, "idle agent memory"):
-            idle = baseline.idle_agent_rss()
+            idle = idle_agent_rss()
         pipelines: list[PipelineRun] = []
         for broker in settings.brokers:
             with _phase(bar, f"pipeline: {broker}"):
