@@ -81,6 +81,7 @@ class StageAgent:
         self.index = plant.stage_index(node_id)
         stage = self.pipeline[self.index]
         self.replica = stage.node_ids.index(node_id)
+        self.replica_counts = [len(s.nodes) for s in self.pipeline]  # what a valid route fits
         self.batch_groups = batch_groups or len(self.pipeline)
         spec = plant.node(node_id)
         topics = plant.topics
@@ -279,8 +280,7 @@ class StageAgent:
 
     def _next_topic(self, frame: Frame) -> str:
         """Where this frame's output goes: the route's node of the next stage."""
-        route, stages = frame.route, self.pipeline
-        counts = [len(stage.nodes) for stage in stages]
+        route, stages, counts = frame.route, self.pipeline, self.replica_counts
         if len(route) != len(counts) or any(r >= n for r, n in zip(route, counts, strict=True)):
             raise FrameError(f"route {list(route)} does not fit this plant's {counts} nodes per "
                              "stage: run the same plant file on every box")

@@ -130,6 +130,20 @@ async def gateway(plant: Plant) -> AsyncIterator[tuple[Gateway, BusClient]]:
         await asyncio.gather(runner, return_exceptions=True)
 
 
+@asynccontextmanager
+async def plant_running(path: Path, logs: Path) -> AsyncIterator[PlantProcesses]:
+    """Every agent of the plant file as an OS process, once all are online."""
+    with PlantProcesses(path, log_dir=logs) as processes:
+        processes.start()
+        await processes.wait_online(ONLINE_S)
+        yield processes
+
+
+async def mid_generation(gw: Gateway, batch: list[GenerateRequest], tokens: int) -> None:
+    """Wait until every request of `batch` has streamed `tokens` tokens."""
+    await gw.until(lambda: min(gw.deltas.get(r.id, 0) for r in batch) >= tokens, 60)
+
+
 async def send(bus: BusClient, plant: Plant, batch: list[GenerateRequest]) -> None:
     for request in batch:
         await bus.publish(plant.topics.request("plc"), request.model_dump_json(), qos=1)
@@ -155,32 +169,28 @@ async def test_kill_9_of_a_stage_node_fails_over_to_its_standby(
     batch = requests()
     hung = [r.model_copy(update={"id": f"hung-{r.id}"}) for r in batch[:4]]
     late = [r.model_copy(update={"id": f"late-{r.id}"}) for r in batch[:2]]
-    with PlantProcesses(path, log_dir=tmp_path / "logs") as processes:
-        processes.start()
-        await processes.wait_online(ONLINE_S)
-        async with gateway(plant) as (gw, bus):
-            await send(bus, plant, batch)
-            # Mid-generation: every request has streamed a few tokens.
-            await gw.until(lambda: min(gw.deltas.get(r.id, 0) for r in batch) >= 3, 60)
-            killed = time.monotonic()
-            os.kill(processes.pids[victim], SIGKILL)
-            await gw.until(lambda: len(gw.responses) == len(batch), 120)
-            # A hung box (or a cut cable): its connection stays open, only the
-            # heartbeats stop. Requests spread over both stage-0 nodes; those
-            # on the frozen one fail over once its heartbeat is overdue.
-            await send(bus, plant, hung)
-            await gw.until(lambda: min(gw.deltas.get(r.id, 0) for r in hung) >= 3, 60)
-            os.kill(processes.pids[frozen], signal.SIGSTOP)
-            await gw.until(lambda: all(r.id in gw.responses for r in hung), 120)
-            os.kill(processes.pids[frozen], SIGKILL)
-            # No standby left for stage 1: requests fail, clearly and in bounded time.
-            os.kill(processes.pids[standby], SIGKILL)
-            await gw.until(lambda: any(s.agent_id == standby and s.state == "offline"
-                                       for _, s in gw.statuses), 30)
-            sent = time.monotonic()
-            await send(bus, plant, late)
-            await gw.until(lambda: all(r.id in gw.responses for r in late),
-                           LIVENESS.stage_wait_s + 30)
+    async with plant_running(path, tmp_path / "logs") as processes, gateway(plant) as (gw, bus):
+        await send(bus, plant, batch)
+        await mid_generation(gw, batch, 3)
+        killed = time.monotonic()
+        os.kill(processes.pids[victim], SIGKILL)
+        await gw.until(lambda: len(gw.responses) == len(batch), 120)
+        # A hung box (or a cut cable): its connection stays open, only the
+        # heartbeats stop. Requests spread over both stage-0 nodes; those
+        # on the frozen one fail over once its heartbeat is overdue.
+        await send(bus, plant, hung)
+        await mid_generation(gw, hung, 3)
+        os.kill(processes.pids[frozen], signal.SIGSTOP)
+        await gw.until(lambda: all(r.id in gw.responses for r in hung), 120)
+        os.kill(processes.pids[frozen], SIGKILL)
+        # No standby left for stage 1: requests fail, clearly and in bounded time.
+        os.kill(processes.pids[standby], SIGKILL)
+        await gw.until(lambda: any(s.agent_id == standby and s.state == "offline"
+                                   for _, s in gw.statuses), 30)
+        sent = time.monotonic()
+        await send(bus, plant, late)
+        await gw.until(lambda: all(r.id in gw.responses for r in late),
+                       LIVENESS.stage_wait_s + 30)
     # The Will: its retained status reads offline within the heartbeat timeout.
     offline = [t for t, s in gw.statuses if s.agent_id == victim and s.state == "offline"]
     assert offline and offline[0] - killed <= LIVENESS.timeout_s
@@ -203,12 +213,10 @@ async def test_a_broker_restart_mid_generation_loses_no_request(
     broker = make_mosquitto(persistence=True)
     path, plant = write_plant_file(smollm2_dir, broker, tmp_path, replicas=1)
     batch = requests()
-    with PlantProcesses(path, log_dir=tmp_path / "logs") as processes:
-        processes.start()
-        await processes.wait_online(ONLINE_S)
+    async with plant_running(path, tmp_path / "logs") as processes:
         async with gateway(plant) as (gw, bus):
             await send(bus, plant, batch)
-            await gw.until(lambda: min(gw.deltas.get(r.id, 0) for r in batch) >= 2, 60)
+            await mid_generation(gw, batch, 2)
             broker.stop()
             broker.start()
             restarted = time.monotonic()
@@ -233,9 +241,7 @@ async def test_a_request_sent_while_the_coordinator_is_down_is_answered(
     broker = make_mosquitto(persistence=True)
     path, plant = write_plant_file(smollm2_dir, broker, tmp_path, replicas=1)
     request = requests(tokens=8)[0]
-    with PlantProcesses(path, log_dir=tmp_path / "logs") as processes:
-        processes.start()
-        await processes.wait_online(ONLINE_S)
+    async with plant_running(path, tmp_path / "logs") as processes:
         coordinator = processes.pids[plant.coordinator.id]
         os.kill(coordinator, signal.SIGTERM)
         async with gateway(plant) as (gw, bus):
