@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,13 +67,23 @@ async def until(sock: socket.socket, assignment: str, timeout: float) -> list[li
     return seen
 
 
-def start_notifying(args: list[str], notify_address: str, log: Path) -> subprocess.Popen[bytes]:
-    """`edgebus ARGS` as systemd would start it with WatchdogSec=, output to `log`."""
+@contextmanager
+def notifying(args: list[str], notify_address: str, log: Path
+              ) -> Iterator[subprocess.Popen[bytes]]:
+    """`edgebus ARGS` as systemd would start it with WatchdogSec=; killed if still running at
+    the end, its output (in `log`) printed so a failing test's report shows it."""
     env = {**os.environ, "NOTIFY_SOCKET": notify_address, "WATCHDOG_USEC": str(WATCHDOG_USEC)}
     env.pop("WATCHDOG_PID", None)
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "edgebus", *args], env=env, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "edgebus", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        print(f"--- {args[0]} log ---\n{log.read_text(errors='replace')}")
 
 
 def test_notify_sends_one_datagram_to_a_path_socket(tmp_path: Path,
@@ -114,8 +125,7 @@ async def test_agent_is_ready_once_connected_and_pings_only_while_connected(
     write_plant(plant_for(tiny_llama, amqtt_broker, [(0, 3), (3, 6)]), plant_path)
     sock, address = notify_socket
     log = tmp_path / "coordinator.log"
-    agent = start_notifying(["coordinator", str(plant_path)], address, log)
-    try:
+    with notifying(["coordinator", str(plant_path)], address, log) as agent:
         before_ready = await until(sock, "READY=1", START_S)
         assert not any("WATCHDOG=1" in d for d in before_ready), before_ready
         assert f"STATUS=connected to the broker at {amqtt_broker.host}:{amqtt_broker.port}" \
@@ -137,11 +147,6 @@ async def test_agent_is_ready_once_connected_and_pings_only_while_connected(
         agent.send_signal(signal.SIGTERM)
         await until(sock, "STOPPING=1", STOP_S)
         assert agent.wait(STOP_S) == 0
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
-        print(f"--- coordinator log ---\n{log.read_text(errors='replace')}")
 
 
 async def test_embedded_broker_is_ready_once_listening_and_pings(
@@ -154,8 +159,7 @@ async def test_embedded_broker_is_ready_once_listening_and_pings(
     write_plant(plant, plant_path)
     sock, address = notify_socket
     log = tmp_path / "broker.log"
-    broker = start_notifying(["broker", str(plant_path)], address, log)
-    try:
+    with notifying(["broker", str(plant_path)], address, log) as broker:
         ready = await until(sock, "READY=1", START_S)
         assert f"STATUS=listening on {LOOPBACK}:{port}" in ready[-1]
         with socket.create_connection((LOOPBACK, port), timeout=5):
@@ -164,8 +168,3 @@ async def test_embedded_broker_is_ready_once_listening_and_pings(
         broker.send_signal(signal.SIGTERM)
         await until(sock, "STOPPING=1", STOP_S)
         assert broker.wait(STOP_S) == 0
-    finally:
-        if broker.poll() is None:
-            broker.kill()
-            broker.wait()
-        print(f"--- broker log ---\n{log.read_text(errors='replace')}")
