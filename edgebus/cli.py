@@ -77,15 +77,14 @@ def _node(args: argparse.Namespace) -> None:
     from node_agent.stage import run_stage
     from plant_config import load_plant
 
-    run_stage(load_plant(args.plant), args.id, threads=args.threads,
-              batch_groups=args.batch_groups)
+    run_stage(load_plant(args.plant), args.id, threads=args.threads)
 
 
 def _coordinator(args: argparse.Namespace) -> None:
     from node_agent.coordinator import run_coordinator
     from plant_config import load_plant
 
-    run_coordinator(load_plant(args.plant))
+    run_coordinator(load_plant(args.plant), batch_groups=args.batch_groups)
 
 
 # `edgebus broker PLANT` runs the embedded broker; `edgebus broker mosquitto-config PLANT
@@ -254,13 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", required=True, help="node id from the plant file")
     p.add_argument("--threads", type=int,
                    help="torch threads (default: the plant file's, else all cores)")
-    p.add_argument("--batch-groups", type=int,
-                   help="request groups kept in flight (default: one per stage; `up` "
-                        "passes one per core, since its stages share this box's cores)")
     p.set_defaults(run=_node)
 
     p = sub.add_parser("coordinator", help="run the coordinator agent")
     p.add_argument("plant")
+    p.add_argument("--batch-groups", type=int,
+                   help="request groups kept in flight, each a batch at every stage (default: "
+                        "one per stage; `up` passes one per core, since its stages share "
+                        "this box's cores)")
     p.set_defaults(run=_coordinator)
 
     p = sub.add_parser("broker", help="run the embedded MQTT broker (amqtt), or "

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import aiomqtt
+import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -103,6 +104,7 @@ class BusClient:
     on_connect: list[Callable[[], None]] = field(default_factory=list)
     _client: aiomqtt.Client | None = field(default=None, init=False)
     _connected: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _sending: set[asyncio.Task[None]] = field(default_factory=set, init=False)  # send()s waiting
 
     @property
     def mqtt5(self) -> bool:
@@ -215,6 +217,33 @@ class BusClient:
                 await asyncio.sleep(RECONNECT_INITIAL_S)
         raise BusError(f"could not publish to {topic}: no broker connection for "
                        f"{PUBLISH_WAIT_S:.0f} s")
+
+    def send(self, topic: str, payload: bytes | str, *, qos: int = 1,
+             properties: Properties | None = None) -> None:
+        """Publish now, without waiting for the PUBACK; messages leave in call order.
+
+        aiomqtt's `publish` hands the message to paho and then waits for the
+        PUBACK, so two publishes awaited in two tasks may leave in either order,
+        and a token loop that awaits each one pays a broker round trip per
+        message. Handing the message to the paho client directly (what
+        aiomqtt's own `publish` does first) keeps the order of the calls, and
+        paho still retransmits a QoS 1 message the broker has not acknowledged.
+        Without a connection, the message waits for one like `publish`.
+        """
+        client = self._client
+        if client is not None and self._connected.is_set():
+            info = client._client.publish(  # the paho client under aiomqtt
+                topic, payload, qos, False, properties if self.mqtt5 else None)
+            if info.rc == paho.MQTT_ERR_SUCCESS:
+                return
+        task = asyncio.ensure_future(self.publish(topic, payload, qos=qos, properties=properties))
+        self._sending.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._sending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s", task.exception())
 
     async def refresh_presence(self) -> None:
         """Republish the retained online status (fresh timestamp and metrics), if connected."""

@@ -118,10 +118,10 @@ class PlantProcesses:
         groups = [] if cpus else ["--batch-groups", str(min(len(plant.pipeline), cores()))]
         children += [self._child(stage.node, "stage",
                                  [*command, "node", str(plant_path), "--id", stage.node,
-                                  "--threads", str(stage.threads or shared), *groups])
+                                  "--threads", str(stage.threads or shared)])
                      for stage in plant.stages]
         children.append(self._child(plant.coordinator.id, "coordinator",
-                                    [*command, "coordinator", str(plant_path)]))
+                                    [*command, "coordinator", str(plant_path), *groups]))
         cpus = cpus or {}
         unknown = set(cpus) - {c.name for c in children}
         if unknown:

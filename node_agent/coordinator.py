@@ -6,8 +6,9 @@
                          sample, stream delta, stop?  --response--> gateway
 
 Every request is its own asyncio task awaiting its own futures, so many are in
-flight at once and nothing serialises them. The coordinator holds the tokenizer
-and no weights.
+flight at once and nothing serialises them. Their decode steps travel in
+groups, one message per group, each a batch at every stage
+(node_agent/groups.py). The coordinator holds the tokenizer and no weights.
 
 Failover. A stage may have several replica nodes; each request runs down one
 route (one node per stage) and stays there, because its KV caches live on
@@ -51,6 +52,7 @@ from edgebus.messages import (
     parse_request,
     salvage_id,
 )
+from node_agent.groups import Outbox
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.runtime import presence, publish_event, publish_plan, run_agent, serve_until
 from node_agent.sampling import candidates_wanted, sample_token
@@ -115,7 +117,8 @@ class NodeHealth:
 class Coordinator:
     """Serves gateway requests through the plant's stages."""
 
-    def __init__(self, plant: Plant, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    def __init__(self, plant: Plant, tokenizer: PreTrainedTokenizerBase | None = None, *,
+                 batch_groups: int | None = None) -> None:
         self.plant = plant
         self.spec = plant.coordinator
         self.liveness = plant.liveness
@@ -133,8 +136,8 @@ class Coordinator:
         self._answers: collections.OrderedDict[tuple[str, str], asyncio.Future[GenerateResponse]]
         self._answers = collections.OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
-        # Frames by topic, sent together per event-loop turn.
-        self._outbox: dict[str, list[bytes]] = collections.defaultdict(list)
+        self._outbox = Outbox(batch_groups or len(self.pipeline), self._publish_frames,
+                              self._stepping)
         self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(self.spec.id), f"{plant.plant_id}.{self.spec.id}",
@@ -277,19 +280,19 @@ class Coordinator:
             await self._event("error", f"bad request from {client}: {exc.message}", rid)
             if rid is not None:
                 reply, _ = self._reply_route(client, rid, response_topic, correlation)
-                await self._respond(reply, _error_response(rid, exc))
+                self._respond(reply, _error_response(rid, exc))
             return
         reply, refused = self._reply_route(client, request.id, request.reply_to or response_topic,
                                            correlation)
         if refused is not None:
             await self._event("error", f"request {request.id} from {client}: {refused.message}",
                               request.id)
-            await self._respond(reply, _error_response(request.id, refused))
+            self._respond(reply, _error_response(request.id, refused))
             return
         key = (client, request.id)
         answer = self._answers.get(key)
         if answer is not None:  # a redelivery: answer again, do not generate again
-            await self._respond(reply, await asyncio.shield(answer))
+            self._respond(reply, await asyncio.shield(answer))
             return
         answer = self._answers[key] = asyncio.get_running_loop().create_future()
         while len(self._answers) > DEDUP_WINDOW:
@@ -305,7 +308,7 @@ class Coordinator:
             response = _error_response(request.id, RequestError(
                 "internal", f"the coordinator failed: {type(exc).__name__}: {exc}"))
         answer.set_result(response)
-        await self._respond(reply, response)
+        self._respond(reply, response)
 
     def _reply_route(self, client: str, request_id: str, asked: str | None,
                      correlation: bytes | None) -> tuple[ReplyRoute, RequestError | None]:
@@ -357,7 +360,7 @@ class Coordinator:
                 if text is not None:
                     delta = text.add(token)
                     if delta and request.stream:
-                        await self._stream(gen, len(tokens) - 1, delta)
+                        self._stream(gen, len(tokens) - 1, delta)
                     if text.stopped:
                         finish = "stop"
                         break
@@ -376,7 +379,7 @@ class Coordinator:
         if text is not None:
             rest = text.flush()
             if rest and request.stream:
-                await self._stream(gen, len(tokens), rest)
+                self._stream(gen, len(tokens), rest)
             out_text = text.text
         else:
             out_text = decode(self.tokenizer, tokens)
@@ -414,15 +417,16 @@ class Coordinator:
         header, first = gen.header(), self.pipeline[0].nodes[gen.route[0]].node
         todo, start = gen.history[gen.synced:], gen.synced
         if gen.synced and len(todo) == 1:  # a decode step
-            self._send(first, frames.encode(Kind.TOKENS, torch.tensor([todo]), header,
-                                            start=start, candidates=candidates))
+            self._outbox.step(gen.seq, first, frames.encode(
+                Kind.TOKENS, torch.tensor([todo]), header, start=start, candidates=candidates))
             return
         chunk = self.spec.prefill_chunk
         for offset in range(0, len(todo), chunk):
             last = offset + chunk >= len(todo)
             ids = torch.tensor([todo[offset:offset + chunk]])
-            self._send(first, frames.encode(Kind.TOKENS, ids, header, start=start + offset,
-                                            candidates=candidates if last else 0, prefill=True))
+            self._outbox.send(first, frames.encode(Kind.TOKENS, ids, header, start=start + offset,
+                                                   candidates=candidates if last else 0,
+                                                   prefill=True))
 
     # -- routes --------------------------------------------------------------------
 
@@ -480,37 +484,35 @@ class Coordinator:
 
     def _unroute(self, gen: Generation) -> None:
         """Give back `gen`'s KV reservations and let its route's nodes free the caches."""
+        self._outbox.leave(gen.seq)
         if not gen.route:
             return
         release = frames.encode_release(gen.header())
         for node_id, per_token in zip(gen.nodes, self.kv_per_token, strict=True):
             self.health[node_id].held -= per_token * gen.max_len
-            self._send(node_id, release)
+            self._outbox.send(node_id, release)
         gen.route, gen.nodes = (), []
 
-    def _send(self, node_id: str, frame: bytes) -> None:
-        """Queue a frame for a node. Frames queued in one event-loop turn leave as one
-        message per node: when a batch of results arrives, every request's next token does."""
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._outbox[node_id].append(frame)
+    def _publish_frames(self, node_id: str, message: bytes) -> None:
+        self.bus.send(self.topics.activations(node_id), message)
 
-    def _flush(self) -> None:
-        for node_id, parts in self._outbox.items():
-            self._spawn(self.bus.publish(self.topics.activations(node_id), b"".join(parts),
-                                         qos=1))
-        self._outbox.clear()
+    def _stepping(self, seq: int) -> bool:
+        gen = self._active.get(seq)
+        return gen is not None and gen.result is not None and not gen.result.done()
 
     # -- output ------------------------------------------------------------------
 
-    async def _stream(self, gen: Generation, index: int, delta: str) -> None:
-        msg = StreamDelta(id=gen.request.id, index=index, delta=delta)
-        await self.bus.publish(gen.reply.stream_topic, msg.model_dump_json(), qos=1,
-                               properties=_correlation(gen.reply))
+    # Sent without waiting for PUBACKs: a request's deltas and response leave
+    # in order, and the token loop goes on at once (the next token of every
+    # request in a batch leaves in one message, see node_agent/groups.py).
 
-    async def _respond(self, reply: ReplyRoute, response: GenerateResponse) -> None:
-        await self.bus.publish(reply.topic, response.model_dump_json(), qos=1,
-                               properties=_correlation(reply))
+    def _stream(self, gen: Generation, index: int, delta: str) -> None:
+        msg = StreamDelta(id=gen.request.id, index=index, delta=delta)
+        self.bus.send(gen.reply.stream_topic, msg.model_dump_json(),
+                      properties=_correlation(gen.reply))
+
+    def _respond(self, reply: ReplyRoute, response: GenerateResponse) -> None:
+        self.bus.send(reply.topic, response.model_dump_json(), properties=_correlation(reply))
 
     async def _event(self, kind: str, message: str, request_id: str | None = None) -> None:
         await publish_event(self.bus, self.topics, Event(
@@ -541,10 +543,10 @@ def _eos_ids(plant: Plant, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
 
 
-def run_coordinator(plant: Plant) -> None:
+def run_coordinator(plant: Plant, batch_groups: int | None = None) -> None:
     """`edgebus coordinator PLANT`: serve requests until SIGTERM."""
 
     async def main(stop: asyncio.Event) -> None:
-        await Coordinator(plant).serve(stop)
+        await Coordinator(plant, batch_groups=batch_groups).serve(stop)
 
     run_agent(main)

@@ -3,11 +3,11 @@
     {root}/act/{node} --message of frames--> [inbox] --> scheduler --> next stage's topic
                                                                    \\-> coordinator (last stage)
 
-Continuous batching: whenever the worker is free it takes every decode frame
-waiting, from whatever requests, and runs them as one batched forward pass
-(`StageModel.decode`), then publishes all their outputs as one message. Prompt
-chunks run one per turn between those batches, so a long prompt never holds
-up other requests' tokens for more than one chunk.
+Continuous batching: the decode frames of one message, from whatever requests
+at whatever positions (a group, formed by the coordinator), run as one batched
+forward pass (`StageModel.decode`), and all their outputs leave as one
+message. Prompt chunks run one per turn between those batches, so a long
+prompt never holds up other requests' tokens for more than one chunk.
 
 Frames are decoded and checked in the event loop (cheap); forward passes run
 on one worker thread, so the loop keeps receiving and publishing while the CPU
@@ -27,11 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import ctypes
-import ctypes.util
 import logging
-import math
 import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +44,7 @@ from edgebus.messages import Event
 from node_agent.kv_cache import KVCache, kv_bytes_per_token
 from node_agent.runtime import presence, publish_event, run_agent, serve_until
 from node_agent.sampling import top_candidates
-from node_agent.stage_model import StageModel
+from node_agent.stage_model import StageModel, return_freed_memory
 from plant_config import Plant
 
 log = logging.getLogger(__name__)
@@ -73,8 +69,7 @@ class _Refused(FrameError):
 class StageAgent:
     """Runs one stage of the plant's pipeline, as one of its replica nodes."""
 
-    def __init__(self, plant: Plant, node_id: str, model: StageModel | None = None, *,
-                 batch_groups: int | None = None) -> None:
+    def __init__(self, plant: Plant, node_id: str, model: StageModel | None = None) -> None:
         self.plant = plant
         self.node_id = node_id
         self.pipeline = plant.pipeline
@@ -82,7 +77,6 @@ class StageAgent:
         stage = self.pipeline[self.index]
         self.replica = stage.node_ids.index(node_id)
         self.replica_counts = [len(s.nodes) for s in self.pipeline]  # what a valid route fits
-        self.batch_groups = batch_groups or len(self.pipeline)
         spec = plant.node(node_id)
         topics = plant.topics
         self.topics = topics
@@ -96,7 +90,7 @@ class StageAgent:
         # longer belongs to a request nobody will finish or release.
         self.abandon_after_s = plant.coordinator.request_timeout_s
         self.caches: dict[int, KVCache] = {}  # touched only by the worker thread
-        self.inbox: asyncio.Queue[Frame] = asyncio.Queue()
+        self.inbox: asyncio.Queue[list[Frame]] = asyncio.Queue()  # one entry per message
         self._prompts: collections.deque[Frame] = collections.deque()  # prefill chunks waiting
         self._swept = time.monotonic()
         self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "skipped_frames": 0.0,
@@ -128,38 +122,36 @@ class StageAgent:
         except frames.BatchError as exc:
             batch = exc.good
             self._report(f"dropped a frame on {message.topic}: {exc}")
-        for frame in batch:
-            self.inbox.put_nowait(frame)
+        if batch:
+            self.inbox.put_nowait(batch)
 
     # -- scheduling (event loop) -----------------------------------------------
 
-    def _batch_limit(self) -> int:
-        """Decode rows to take now: a 1/batch_groups share of the requests held here.
-
-        Taking all of them would merge every request into one group moving in
-        lockstep, leaving S-1 stages idle while one computes; with one group
-        per stage (the default) every box earns its place. Stages that share
-        one box's cores want one group per core: more would only queue for them.
-        """
-        return max(1, min(MAX_BATCH, math.ceil(len(self.caches) / self.batch_groups)))
-
     async def _work(self) -> None:
+        """Run each message's decode rows as one batch, and a prompt chunk between batches.
+
+        A message's decode rows are a group the coordinator formed
+        (node_agent/groups.py); merging queued groups here would fuse them
+        into one batch moving in lockstep and leave the other stages idle,
+        and splitting one would only add steps.
+        """
         loop = asyncio.get_running_loop()
         while True:
-            # With prompt chunks pending there is work now; else sleep until a frame comes.
-            arrived = [] if self._prompts else [await self.inbox.get()]
+            # With prompt chunks pending there is work now; else sleep until a message comes.
+            if not self._prompts:
+                message = await self.inbox.get()
+            else:
+                message = [] if self.inbox.empty() else self.inbox.get_nowait()
             decodes: list[Frame] = []
-            limit = self._batch_limit()
-            while arrived or (not self.inbox.empty() and len(decodes) < limit):
-                frame = arrived.pop() if arrived else self.inbox.get_nowait()
+            for frame in message:
                 if frame.kind == Kind.RELEASE:
                     await loop.run_in_executor(self._executor, self._release, frame)
                 elif frame.prefill:
                     self._prompts.append(frame)
                 else:
                     decodes.append(frame)
-            if decodes:
-                await self._run(loop, decodes)
+            for first in range(0, len(decodes), MAX_BATCH):
+                await self._run(loop, decodes[first:first + MAX_BATCH])
             if self._prompts:
                 await self._run(loop, [self._prompts.popleft()])
 
@@ -167,10 +159,9 @@ class StageAgent:
         out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
         for error in errors:
             self._report(error)
-        # Not awaited: the next batch need not wait for this one's PUBACK.
-        # Publishes leave in call order, so a request's frames stay in order.
+        # The next batch need not wait for this one's PUBACK (see BusClient.send).
         for topic, message in out.items():
-            self._spawn(self.bus.publish(topic, message, qos=1))
+            self.bus.send(topic, message)
 
     # -- compute (worker thread) -------------------------------------------------
 
@@ -276,7 +267,7 @@ class StageAgent:
             del self.caches[rid]
         if idle:
             self.metrics["evicted"] += len(idle)
-            _return_freed_memory()
+            return_freed_memory()
 
     def _next_topic(self, frame: Frame) -> str:
         """Where this frame's output goes: the route's node of the next stage."""
@@ -338,20 +329,7 @@ class StageAgent:
         task.add_done_callback(self._background.discard)
 
 
-def _return_freed_memory() -> None:
-    """Hand freed heap pages back to the OS, so RSS shows what evicting caches freed.
-
-    glibc keeps freed blocks for reuse; after a burst of long requests that
-    would read as a leak on the ops view and count against the box.
-    """
-    libc = ctypes.util.find_library("c")
-    if libc:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(libc).malloc_trim(0)
-
-
-def run_stage(plant: Plant, node_id: str, threads: int | None = None,
-              batch_groups: int | None = None) -> None:
+def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:
     """`edgebus node PLANT --id NODE`: load the layers, then serve until SIGTERM."""
     spec = plant.node(node_id)
     threads = threads or spec.threads
@@ -359,7 +337,7 @@ def run_stage(plant: Plant, node_id: str, threads: int | None = None,
         torch.set_num_threads(threads)
 
     async def main(stop: asyncio.Event) -> None:
-        agent = StageAgent(plant, node_id, batch_groups=batch_groups)
+        agent = StageAgent(plant, node_id)
         log.info("stage %s holds layers [%d, %d): %.1f MB of parameters", node_id,
                  *spec.layers, agent.model.param_bytes / 1e6)
         await agent.serve(stop)

@@ -19,6 +19,9 @@ call, H = hidden size, V = vocabulary size.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,6 +198,18 @@ def _copy_out_of_checkpoint(module: nn.Module, dtype: torch.dtype) -> None:
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if tensor.dtype == dtype:
             _set_tensor(module, name, tensor.detach().clone())
+
+
+def return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS, so RSS shows what evicting caches freed.
+
+    glibc keeps freed blocks for reuse: after converting weights (the fp32
+    originals freed) or evicting caches, RSS would go on counting them.
+    """
+    libc = ctypes.util.find_library("c")
+    if libc:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(libc).malloc_trim(0)
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
