@@ -1,9 +1,14 @@
 """Read selected tensors from an HF safetensors checkpoint, and nothing else.
 
 A stage must never hold the whole model: on a Raspberry Pi the whole model is
-exactly what does not fit. `safe_open` memory-maps each file and copies out
-only the tensors asked for; with a sharded checkpoint
+exactly what does not fit. `Shard` reads only the tensors asked for, with
+plain reads into memory of their own; with a sharded checkpoint
 (`model.safetensors.index.json`) only the shards holding them are opened.
+Not a memory map: every page of a map that was read stays resident for as
+long as any tensor from the map lives, so a stage that converts its weights
+(to another dtype, or to column-major) would hold them twice. A tensor that
+is converted is converted block by block as it is read, so loading never
+holds more than the stage's weights plus one block.
 
 Checkpoint names are not always the model's: a DeepSeek-V3 checkpoint stores
 each routed expert as its own `mlp.experts.{e}.gate_proj.weight`, while the
@@ -17,12 +22,12 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
@@ -36,6 +41,75 @@ from edgebus.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# Bytes read per block when a tensor is converted while it is read: the only
+# transient memory of loading, small beside any layer.
+READ_BLOCK_BYTES = 8 * 2**20
+# The safetensors header's dtype names.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class Shard:
+    """One safetensors file, open for reading tensors out of it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("rb")
+        try:
+            size = int.from_bytes(self._file.read(8), "little")
+            header: dict[str, dict[str, object]] = json.loads(self._file.read(size))
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._file.close()
+            raise CheckpointError(f"{path} is not a safetensors file ({exc})") from None
+        header.pop("__metadata__", None)
+        self.header = header
+        self._data = 8 + size
+
+    def __enter__(self) -> Shard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def read(self, name: str, dtype: torch.dtype | None = None,
+             column_major: bool = False) -> torch.Tensor:
+        """Tensor `name`; a floating-point one converted to `dtype`, and a 2-D one to
+        column-major if asked (the same [out, in] tensor, laid out as its
+        contiguous transpose)."""
+        entry = self.header[name]
+        stored = _DTYPES[str(entry["dtype"])]
+        shape: list[int] = list(entry["shape"])  # type: ignore[call-overload]
+        offset = self._data + int(entry["data_offsets"][0])  # type: ignore[index]
+        dtype = dtype if dtype is not None and stored.is_floating_point else stored
+        column_major = column_major and len(shape) == 2
+        if dtype == stored and not column_major:
+            out = torch.empty(shape, dtype=stored)
+            self._read_into(out, offset)
+            return out
+        rows, cols = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+        out = torch.empty(cols, rows, dtype=dtype) if column_major else torch.empty(
+            rows, cols, dtype=dtype)
+        step = max(1, READ_BLOCK_BYTES // max(1, cols * stored.itemsize))
+        block = torch.empty(min(step, rows), cols, dtype=stored)
+        for first in range(0, rows, step):
+            part = block[:min(step, rows - first)]
+            self._read_into(part, offset + first * cols * stored.itemsize)
+            if column_major:
+                out[:, first:first + len(part)] = part.t()
+            else:
+                out[first:first + len(part)] = part
+        return out.t() if column_major else out.view(shape)
+
+    def _read_into(self, tensor: torch.Tensor, offset: int) -> None:
+        buffer = tensor.reshape(-1).view(torch.uint8).numpy().data
+        self._file.seek(offset)
+        if self._file.readinto(buffer) != len(buffer):
+            raise CheckpointError(f"{self.path} ends inside a tensor: the file is truncated")
 
 
 def tensor_locations(model_dir: Path) -> dict[str, Path]:
@@ -46,8 +120,8 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
         return {name: model_dir / shard for name, shard in weight_map.items()}
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        with Shard(single) as shard:
+            return dict.fromkeys(shard.keys(), single)
     raise CheckpointError(
         f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}: a stage loads its layers "
         "from safetensors. Import a GGUF with `edgebus model import-gguf SRC.gguf DIR`, or point "
@@ -55,8 +129,9 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
 
 
 def load_tensors(model_dir: Path, names: Iterable[str],
-                 locations: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
-    """Load exactly `names`, opening each shard at most once."""
+                 locations: dict[str, Path] | None = None, *, dtype: torch.dtype | None = None,
+                 column_major: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Load exactly `names`, opening each shard at most once (see `Shard.read`)."""
     locations = locations if locations is not None else tensor_locations(model_dir)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in names:
@@ -68,9 +143,9 @@ def load_tensors(model_dir: Path, names: Iterable[str],
     for path, wanted in by_file.items():
         if not path.is_file():
             raise CheckpointError(f"shard {path} named in {INDEX_FILE} is missing")
-        with safe_open(str(path), framework="pt") as f:
+        with Shard(path) as shard:
             for name in wanted:
-                tensors[name] = f.get_tensor(name)
+                tensors[name] = shard.read(name, dtype, name in column_major)
     return tensors
 
 
@@ -100,16 +175,23 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._sources
 
-    def load(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The model tensors `names`, reading only the checkpoint tensors they come from."""
+    def load(self, names: Iterable[str], dtype: torch.dtype | None = None,
+             column_major: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+        """The model tensors `names`, reading only the checkpoint tensors they come from.
+
+        Floating-point tensors come in `dtype`, and the 2-D ones named in
+        `column_major` laid out column-major (see `Shard.read`).
+        """
         names = set(names)
         missing = sorted(names - self._sources.keys())
         if missing:
             raise CheckpointError(f"tensors {missing[:5]} are not in the checkpoint at "
                                   f"{self.model_dir}: the model directory does not match its "
                                   "config.json")
+        plain = names - self._converted.keys()
         raw = load_tensors(self.model_dir, {k for n in names for k in self._sources[n]},
-                           self.locations)
+                           self.locations, dtype=dtype, column_major=frozenset(
+                               self._sources[n][0] for n in plain & set(column_major)))
         tensors: dict[str, torch.Tensor] = {}
         for name in names:
             sources = self._sources[name]

@@ -46,13 +46,13 @@ def test_stage_opens_only_its_shards(sharded_dir: Path, deepseek_dir: Path,
     for shard in every - needed:
         (sharded_dir / shard).unlink()
     opened: list[str] = []
-    real_safe_open = node_agent.checkpoint.safe_open
 
-    def recording_safe_open(path: str, *args: object, **kwargs: object) -> object:
-        opened.append(Path(path).name)
-        return real_safe_open(path, *args, **kwargs)
+    class RecordingShard(node_agent.checkpoint.Shard):
+        def __init__(self, path: Path) -> None:
+            opened.append(path.name)
+            super().__init__(path)
 
-    monkeypatch.setattr(node_agent.checkpoint, "safe_open", recording_safe_open)
+    monkeypatch.setattr(node_agent.checkpoint, "Shard", RecordingShard)
     stage = StageModel(sharded_dir, first, end)
     assert sorted(opened) == sorted(needed)  # each needed shard opened once, nothing else
 

@@ -61,7 +61,7 @@ model_dir, weights = Path(sys.argv[1]), sys.argv[2]
 StageModel(model_dir, 1, 2, weights=weights)  # pay for imports and lazy initialisation first
 base = rss()
 stage = StageModel(model_dir, 10, 20, weights=weights)
-# fp32 weights are memory-mapped: touch every one so they are really resident.
+# Touch every weight: RSS must count them, however they were loaded.
 # max, not sum: an int8 sum makes int64 temporaries, whose leftovers in the heap
 # moved the int8 figure by up to 25 MB from run to run.
 assert all(bool(p.max().isfinite()) for p in stage.parameters())
