@@ -79,7 +79,9 @@ def test_batched_mla_decode_equals_each_request_alone(deepseek_dir: Path) -> Non
     # MLA caches the compressed latent and the rotary key, not per-head keys/values,
     # and the coordinator's KV budget counts exactly that.
     config = model.config
-    keys, values = batch_caches[1]._keys[0], batch_caches[1]._values[0]
+    with torch.inference_mode():  # the caches were made in it; appending nothing reads them
+        keys, values = batch_caches[1].update(torch.empty(1, 1, 0, config.kv_lora_rank),
+                                              torch.empty(1, 1, 0, config.qk_rope_head_dim), 0)
     assert keys.shape == (1, 1, 40 + 3, config.kv_lora_rank)
     assert values.shape == (1, 1, 40 + 3, config.qk_rope_head_dim)
     assert batch_caches[1].nbytes == (40 + 3) * kv_bytes_per_token(config, (0, 6))
