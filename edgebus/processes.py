@@ -14,13 +14,20 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from edgebus.errors import EdgebusError
 
 LOOPBACK = "127.0.0.1"
-# What a stage agent imports before it loads a single weight.
-_IDLE_AGENT_CODE = ("import torch, transformers, node_agent.stage; "
-                    "print(open('/proc/self/status').read())")
+# What a stage agent holds before it loads a single weight: its imports, and
+# its model family's code, imported and built on the meta device (no memory).
+_IDLE_AGENT_CODE = """
+import sys, torch, transformers, node_agent.stage
+from transformers import AutoConfig, AutoModelForCausalLM
+with torch.device("meta"):
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
+print(open("/proc/self/status").read())
+"""
 # <linux/prctl.h>
 _PR_SET_PDEATHSIG = 1
 
@@ -78,12 +85,13 @@ def proc_status_bytes(proc_status: str, key: str) -> int:
     return int(found.group(1)) * 1024
 
 
-def idle_agent_rss() -> int:
-    """Peak RSS of a fresh Python that imports what a stage agent imports and builds nothing.
+def idle_agent_rss(model_dir: Path) -> int:
+    """Peak RSS of a fresh Python that imports what a stage agent imports and builds
+    the model of `model_dir` on the meta device: an agent before its weights.
 
     Measured in a child process: the caller's own memory (a test session, a
     bench with models loaded) says nothing of what an agent starts from.
     """
-    result = subprocess.run([sys.executable, "-c", _IDLE_AGENT_CODE], capture_output=True,
-                            text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", _IDLE_AGENT_CODE, str(model_dir)],
+                            capture_output=True, text=True, check=True)
     return proc_status_bytes(result.stdout, "VmHWM")

@@ -12,8 +12,9 @@ threads on cores another process also used, decode measured ~10x slower
 Memory: weight bytes per part and weight mode come from the model's shapes
 (`quantize.stored_bytes` on a meta-device skeleton, nothing loaded), and the
 per-process baseline is the peak resident memory of a fresh Python that
-imports what a stage agent imports (measured in a child process: the
-caller's own memory, a test session's say, says nothing of an agent's).
+imports what a stage agent imports and builds the model on the meta device
+(measured in a child process: the caller's own memory, a test session's
+say, says nothing of an agent's).
 
 The measured part is cached as `edgebus-profile.json` in the model directory
 and reused while the host, torch version and checkpoint files are the same;
@@ -88,7 +89,7 @@ def model_costs(model_dir: Path, *, remeasure: bool = False) -> tuple[ModelCosts
 
 def measure(model_dir: Path, *, rounds: int = ROUNDS) -> Measured:
     """Time every part of the model in `model_dir` on this machine (see the module doc)."""
-    baseline = idle_agent_rss()
+    baseline = idle_agent_rss(model_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(PROFILE_THREADS)
     try:

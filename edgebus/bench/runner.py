@@ -114,7 +114,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
             llama = baseline.run_llama_cpp(bundled_gguf(), chat_ids, tokens=settings.tokens,
                                            runs=settings.runs, threads=cores)
         with _phase(bar, "idle agent memory"):
-            idle = idle_agent_rss()
+            idle = idle_agent_rss(model_dir)
         pipelines: list[PipelineRun] = []
         for broker in settings.brokers:
             with _phase(bar, f"pipeline: {broker}"):
