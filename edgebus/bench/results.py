@@ -95,8 +95,12 @@ class PipelineRun:
     hop: HopLatency
     compute_per_step_s: list[float] | None  # per stage; None when stages publish no metrics
     overhead_per_hop_s: float | None
-    peak_rss: dict[str, int]  # process name -> bytes (VmHWM)
-    end_rss: dict[str, int]   # process name -> bytes at the end of the phase (VmRSS)
+    # process name -> bytes: peak (VmHWM) after the one-request-at-a-time
+    # measurements, peak at the end of the phase (every concurrency's KV caches
+    # included), and RSS (VmRSS) at the end.
+    single_peak_rss: dict[str, int]
+    peak_rss: dict[str, int]
+    end_rss: dict[str, int]
 
     def at(self, concurrency: int) -> LoadStats | None:
         return next((s for s in self.load if s.concurrency == concurrency), None)

@@ -256,15 +256,18 @@ async def _measure_pipeline(broker: str, processes: PlantProcesses, settings: Be
             time_to_first_token(await gateway.generate(long(), REQUEST_TIMEOUT_S))
             for _ in range(settings.runs)])
         wire, compute = await _wire_and_compute(gateway, settings.tokens)
+        pids = {**processes.pids, **extra_pids}
+        single_peak = {name: baseline.rss(pid)[0] for name, pid in pids.items()}
         load = [await _load(gateway, chat, concurrency, settings)
                 for concurrency in settings.concurrency]
         # Read before the stop: the peak includes every KV cache of the highest concurrency.
-        rss = {name: baseline.rss(pid) for name, pid in {**processes.pids, **extra_pids}.items()}
+        rss = {name: baseline.rss(pid) for name, pid in pids.items()}
     hops = len(plant.stages) + 1
     overhead = None if compute is None else hop_overhead(single.itl_p50_s, compute, hops)
     return PipelineRun(broker=broker, single=single, load=load, long_ttft_s=long_ttft,
                        wire=wire, hop=hop, compute_per_step_s=compute,
                        overhead_per_hop_s=overhead,
+                       single_peak_rss=single_peak,
                        peak_rss={name: peak for name, (peak, _) in rss.items()},
                        end_rss={name: now for name, (_, now) in rss.items()})
 
