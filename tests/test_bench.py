@@ -254,7 +254,8 @@ def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
     assert "| amqtt | 60 | 1208 | 1208 | 64 | 635 |" in markdown
     assert "| mosquitto | 0.5 ms | 1.0 ms | 70.0 ms | 70.0 ms | 3.5 ms |" in markdown
     # one at a time 400, after 16 concurrent 500, at end 400; 400 - 300 idle - 150 weights
-    assert "| amqtt | stage-1 | 400 MiB | 500 MiB | 400 MiB | 150 MiB | -50 MiB | pass |" in markdown
+    assert ("| amqtt | stage-1 | 400 MiB | 500 MiB | 400 MiB | 150 MiB | -50 MiB | pass |"
+            in markdown)
     assert "| 2 stage(s) of 19 + 11 layers, one core each | 8 | 18.0 | 1.80x |" in markdown
     assert "![aggregate tokens/s against concurrency](benchmarks.png)" in markdown
     assert "- a note for the reader" in markdown

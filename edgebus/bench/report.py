@@ -173,7 +173,8 @@ def _workload(result: BenchResult) -> str:
     return (
         "## Workload\n\n"
         f"- Model: {result.model}, fp32 (the bundled GGUF imported by `edgebus demo`); "
-        f"the pipeline's stages hold layers {split}, {threads} torch thread(s) each.\n"
+        f"the pipeline's stages hold layers {split} (as `edgebus plan` splits equal boxes: the "
+        f"last stage also runs the LM head), {threads} torch thread(s) each.\n"
         f"- Chat prompt: one user turn through the chat template, {result.chat_prompt_tokens} "
         f"tokens. Long prompt: {result.long_prompt_tokens} tokens of fixed text, verbatim.\n"
         f"- Greedy, `ignore_eos: true`, `max_tokens: {s.tokens}`: every request generates "

@@ -61,7 +61,8 @@ from plant_config import Plant, make_plant, write_plant
 from plant_config.planner import balanced_split
 from plant_config.schema import EMBEDDED
 
-# The pipeline under test: an even 10/10/10 split of SmolLM2's 30 layers.
+# The pipeline under test: SmolLM2's 30 layers over 3 stages, split as
+# `edgebus plan` splits them over equal boxes (see _plant).
 PIPELINE_STAGES = 3
 # Untimed requests after a plant comes online: the agents' first forward
 # passes pay for allocator growth and oneDNN kernel selection.
@@ -127,7 +128,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
                 with _phase(bar, f"boxes: {stages} pinned stage(s)"):
                     boxes.append(run_boxes(stages, cpus, model_dir, workdir, settings))
 
-    layers = [stage.layers for stage in make_plant(model_dir, stages=PIPELINE_STAGES).stages]
+    layers = balanced_split(model_costs(model_dir)[0], PIPELINE_STAGES)
     result = BenchResult(
         settings=settings, machine=machine, model=DEMO_MODEL_NAME,
         chat_prompt_tokens=len(chat_ids), long_prompt_tokens=long_tokens, transformers=hf,
@@ -189,14 +190,17 @@ def _version_or_none(package: str) -> str | None:
 
 def _plant(model_dir: Path, plant_id: str, stages: int, *, url: str | None = None,
            threads: int | None = None) -> Plant:
-    """An even split over `stages` nodes; the embedded broker on a free loopback port."""
+    """`stages` stages split as the planner splits equal boxes; the embedded broker on a free
+    loopback port. Not an even split: the last stage also runs the LM head, and an even
+    split leaves it the bottleneck while the other stages idle part of the time."""
     plant = make_plant(model_dir, stages=stages, broker=url or EMBEDDED, plant_id=plant_id)
-    update: dict[str, object] = {}
+    layers = balanced_split(model_costs(model_dir)[0], stages)
+    update: dict[str, object] = {"stages": [
+        spec.model_copy(update={"layers": r, **({"threads": threads} if threads else {})})
+        for spec, r in zip(plant.stages, layers, strict=True)]}
     if plant.broker.embedded:
         update["broker"] = plant.broker.model_copy(update={"host": LOOPBACK,
                                                            "port": free_port()})
-    if threads is not None:
-        update["stages"] = [s.model_copy(update={"threads": threads}) for s in plant.stages]
     return plant.model_copy(update=update)
 
 
@@ -328,12 +332,7 @@ def run_boxes(stages: int, cpus: list[int], model_dir: Path, workdir: Path,
               settings: BenchSettings) -> BoxesRun:
     """`stages` stages of one thread each, stage i pinned to cpus[i]; broker and coordinator not."""
     plant = _plant(model_dir, f"bench-boxes-{stages}", stages, threads=1)
-    # Balanced as the planner balances equal boxes: an even split leaves the
-    # stage with the LM head the bottleneck and the other box idle part of the time.
-    layers = balanced_split(model_costs(model_dir)[0], stages)
-    plant = plant.model_copy(update={"stages": [
-        spec.model_copy(update={"layers": r}) for spec, r in zip(plant.stages, layers,
-                                                                 strict=True)]})
+    layers = [stage.layers for stage in plant.stages]
     pins = {stage.node: [cpu] for stage, cpu in zip(plant.stages, cpus, strict=False)}
     with contextlib.ExitStack() as stack:
         processes = _start(plant, workdir, stack, cpus=pins)
