@@ -6,9 +6,10 @@ plain reads into memory of their own; with a sharded checkpoint
 (`model.safetensors.index.json`) only the shards holding them are opened.
 Not a memory map: every page of a map that was read stays resident for as
 long as any tensor from the map lives, so a stage that converts its weights
-(to another dtype, or to column-major) would hold them twice. A tensor that
-is converted is converted block by block as it is read, so loading never
-holds more than the stage's weights plus one block.
+(to another dtype, or packed for oneDNN) would hold them twice. A tensor that
+changes dtype is converted block by block as it is read, and a large matrix
+can be read a range of rows at a time, so loading never holds much more than
+the stage's weights.
 
 Checkpoint names are not always the model's: a DeepSeek-V3 checkpoint stores
 each routed expert as its own `mlp.experts.{e}.gate_proj.weight`, while the
@@ -78,33 +79,30 @@ class Shard:
         return list(self.header)
 
     def read(self, name: str, dtype: torch.dtype | None = None,
-             column_major: bool = False) -> torch.Tensor:
-        """Tensor `name`; a floating-point one converted to `dtype`, and a 2-D one to
-        column-major if asked (the same [out, in] tensor, laid out as its
-        contiguous transpose)."""
+             rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name`, or its rows [first, end) (along dim 0); a floating-point
+        one converted to `dtype`."""
         entry = self.header[name]
         stored = _DTYPES[str(entry["dtype"])]
         shape: list[int] = list(entry["shape"])  # type: ignore[call-overload]
         offset = self._data + int(entry["data_offsets"][0])  # type: ignore[index]
+        row_bytes = math.prod(shape[1:]) * stored.itemsize
+        if rows is not None:
+            offset += rows[0] * row_bytes
+            shape[0] = rows[1] - rows[0]
         dtype = dtype if dtype is not None and stored.is_floating_point else stored
-        column_major = column_major and len(shape) == 2
-        if dtype == stored and not column_major:
-            out = torch.empty(shape, dtype=stored)
+        out = torch.empty(shape, dtype=dtype)
+        if dtype == stored:
             self._read_into(out, offset)
             return out
-        rows, cols = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-        out = torch.empty(cols, rows, dtype=dtype) if column_major else torch.empty(
-            rows, cols, dtype=dtype)
-        step = max(1, READ_BLOCK_BYTES // max(1, cols * stored.itemsize))
-        block = torch.empty(min(step, rows), cols, dtype=stored)
-        for first in range(0, rows, step):
-            part = block[:min(step, rows - first)]
-            self._read_into(part, offset + first * cols * stored.itemsize)
-            if column_major:
-                out[:, first:first + len(part)] = part.t()
-            else:
-                out[first:first + len(part)] = part
-        return out.t() if column_major else out.view(shape)
+        flat = out.view(shape[0] if shape else 1, -1)
+        step = max(1, READ_BLOCK_BYTES // max(1, row_bytes))
+        block = torch.empty(min(step, len(flat)), flat.shape[1], dtype=stored)
+        for first in range(0, len(flat), step):
+            part = block[:min(step, len(flat) - first)]
+            self._read_into(part, offset + first * row_bytes)
+            flat[first:first + len(part)] = part
+        return out
 
     def _read_into(self, tensor: torch.Tensor, offset: int) -> None:
         buffer = tensor.reshape(-1).view(torch.uint8).numpy().data
@@ -129,33 +127,16 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
         "the plant file's `model:` at an HF model directory.")
 
 
-def load_tensors(model_dir: Path, names: Iterable[str],
-                 locations: dict[str, Path] | None = None, *, dtype: torch.dtype | None = None,
-                 column_major: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Load exactly `names`, opening each shard at most once (see `Shard.read`)."""
-    locations = locations if locations is not None else tensor_locations(model_dir)
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for name in names:
-        if name not in locations:
-            raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {model_dir}: "
-                                  "the model directory does not match its config.json")
-        by_file[locations[name]].append(name)
-    tensors: dict[str, torch.Tensor] = {}
-    for path, wanted in by_file.items():
-        if not path.is_file():
-            raise CheckpointError(f"shard {path} named in {INDEX_FILE} is missing")
-        with Shard(path) as shard:
-            for name in wanted:
-                tensors[name] = shard.read(name, dtype, name in column_major)
-    return tensors
-
-
 class CheckpointReader:
-    """A checkpoint seen under the tensor names of `model` (a skeleton; may be on meta)."""
+    """A checkpoint seen under the tensor names of `model` (a skeleton; may be on meta).
+
+    A context manager: shards stay open, each opened once, until it exits.
+    """
 
     def __init__(self, model_dir: Path, model: PreTrainedModel) -> None:
         self.model_dir = model_dir
         self.locations = tensor_locations(model_dir)
+        self._shards: dict[Path, Shard] = {}
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -173,26 +154,51 @@ class CheckpointReader:
             if pattern is not None:
                 self._converted.setdefault(name, (by_pattern[pattern], []))[1].append(pattern)
 
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for shard in self._shards.values():
+            shard.__exit__()
+        self._shards.clear()
+
     def __contains__(self, name: str) -> bool:
         return name in self._sources
 
-    def load(self, names: Iterable[str], dtype: torch.dtype | None = None,
-             column_major: Iterable[str] = ()) -> dict[str, torch.Tensor]:
-        """The model tensors `names`, reading only the checkpoint tensors they come from.
+    def _read(self, key: str, dtype: torch.dtype | None,
+              rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Checkpoint tensor `key` (or its rows), from its shard, opened on first use."""
+        path = self.locations.get(key)
+        if path is None:
+            raise CheckpointError(f"tensor {key!r} is not in the checkpoint at "
+                                  f"{self.model_dir}: the model directory does not match its "
+                                  "config.json")
+        if path not in self._shards:
+            if not path.is_file():
+                raise CheckpointError(f"shard {path} named in {INDEX_FILE} is missing")
+            self._shards[path] = Shard(path)
+        return self._shards[path].read(key, dtype, rows)
 
-        Floating-point tensors come in `dtype`, and the 2-D ones named in
-        `column_major` laid out column-major (see `Shard.read`).
-        """
+    def rows(self, name: str, first: int, end: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows [first, end) of model tensor `name`, stored as one checkpoint tensor."""
+        sources = self._sources.get(name)
+        if not sources or name in self._converted:
+            raise CheckpointError(f"tensor {name!r} is not one tensor of the checkpoint at "
+                                  f"{self.model_dir}")
+        return self._read(sources[0], dtype, (first, end))
+
+    def load(self, names: Iterable[str],
+             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The model tensors `names`, reading only the checkpoint tensors they come from;
+        floating-point ones in `dtype`."""
         names = set(names)
         missing = sorted(names - self._sources.keys())
         if missing:
             raise CheckpointError(f"tensors {missing[:5]} are not in the checkpoint at "
                                   f"{self.model_dir}: the model directory does not match its "
                                   "config.json")
-        plain = names - self._converted.keys()
-        raw = load_tensors(self.model_dir, {k for n in names for k in self._sources[n]},
-                           self.locations, dtype=dtype, column_major=frozenset(
-                               self._sources[n][0] for n in plain & set(column_major)))
+        raw = {key: self._read(key, dtype) for n in names for key in self._sources[n]}
         tensors: dict[str, torch.Tensor] = {}
         for name in names:
             sources = self._sources[name]

@@ -40,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from edgebus.errors import EdgebusError
 from edgebus.processes import idle_agent_rss
+from node_agent import packed
 from node_agent.checkpoint import tensor_locations
 from node_agent.kv_cache import KVCache
 from node_agent.quantize import WEIGHT_MODES, stored_bytes
@@ -155,7 +156,8 @@ def costs_from(measured: Measured,
     return ModelCosts(layers=tuple(PartCost(*pair) for pair in measured.layers),
                       embedding=PartCost(*measured.embedding), head=PartCost(*measured.head),
                       layer_bytes=layer_bytes, embedding_bytes=embedding_bytes,
-                      head_bytes=head_bytes, tied=tied, baseline_bytes=measured.baseline_bytes)
+                      head_bytes=head_bytes, tied=tied, baseline_bytes=measured.baseline_bytes,
+                      packed_fp32=packed.available())
 
 
 @contextmanager

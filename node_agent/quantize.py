@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from node_agent import packed
 from plant_config.schema import WeightMode
 
 WEIGHT_MODES: tuple[WeightMode, ...] = get_args(WeightMode)
@@ -222,17 +223,26 @@ def stored_bytes(model: nn.Module, mode: WeightMode) -> int:
     """Bytes of parameters `model` holds after `quantize(model, mode)`, from shapes alone.
 
     Works on a meta-device skeleton, so the planner sizes a stage without
-    loading it. A parameter shared by two modules (a tied head) counts once.
+    loading it. A parameter shared by two modules (a tied head) counts once,
+    except in fp32 with oneDNN, where the head is packed apart from the
+    embedding's plain copy (`node_agent/packed.py`).
     """
     converted: dict[int, int] = {}  # id of a weight quantize converts -> its bytes in `mode`
+    packed_ids: set[int] = set()  # fp32 Linear weights, packed into copies of their own
+    packed_bytes = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear | nn.Embedding):
+        if isinstance(module, nn.Linear) and mode == "fp32" and packed.available():
+            packed_ids.add(id(module.weight))
+            packed_bytes += _matrix_bytes(module.weight, mode)
+        elif isinstance(module, nn.Linear | nn.Embedding):
             converted[id(module.weight)] = _matrix_bytes(module.weight, mode)
         elif _is_fused_experts(module):
             for name in ("gate_up_proj", "down_proj"):
                 experts: torch.Tensor = getattr(module, name)                  # [E,N,K]
                 converted[id(experts)] = _matrix_bytes(experts, mode)
-    return sum(converted.get(id(p), p.nelement() * p.element_size()) for p in model.parameters())
+    return packed_bytes + sum(
+        converted.get(id(p), 0 if id(p) in packed_ids else p.nelement() * p.element_size())
+        for p in model.parameters())
 
 
 def _matrix_bytes(weight: torch.Tensor, mode: WeightMode) -> int:

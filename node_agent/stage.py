@@ -42,9 +42,10 @@ from edgebus.errors import FrameError
 from edgebus.frames import Frame, Header, Kind
 from edgebus.messages import Event
 from node_agent.kv_cache import KVCache, kv_bytes_per_token
+from node_agent.memory import return_freed_memory
 from node_agent.runtime import presence, publish_event, run_agent, serve_until
 from node_agent.sampling import top_candidates
-from node_agent.stage_model import StageModel, return_freed_memory
+from node_agent.stage_model import StageModel
 from plant_config import Plant
 
 log = logging.getLogger(__name__)

@@ -12,12 +12,8 @@ cache to the layers itself.
 
 Weights are read in fp32 and then converted to the stage's weight mode
 (fp32, bf16 or int8: `node_agent/quantize.py`). In fp32 the linear layers'
-weights are kept column-major: the same [out, in] tensors, laid out as their
-transposes, because then `F.linear` hands MKL a matrix it need not transpose.
-Measured here on one thread, a decode step of the whole SmolLM2-135M took
-45 ms instead of 54 (the 49152x576 head alone 4.9 instead of 11.2 ms).
-The sums come out in another order, like a batched step's do (see the
-exactness notes in docs/architecture.md).
+weights are packed for oneDNN as they are read (`node_agent/packed.py`):
+a batched decode step takes 0.5-0.65x the time of plain weights.
 
 Shapes: B = requests in a batched decode step, T = token positions in this
 call, H = hidden size, V = vocabulary size.
@@ -25,9 +21,7 @@ call, H = hidden size, V = vocabulary size.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +30,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from edgebus.errors import CheckpointError
+from node_agent import packed
 from node_agent.checkpoint import CheckpointReader
 from node_agent.kv_cache import KVCache
+from node_agent.memory import map_large_allocations, return_freed_memory
+from node_agent.packed import PackedLinear
 from node_agent.quantize import quantize
 from node_agent.ragged import ATTENTION_NAME, BatchKV
 from plant_config.schema import WeightMode
@@ -70,7 +67,8 @@ class StageModel(nn.Module):
         self.config: PretrainedConfig = config
         self.slice = StageSlice(first, end, config.num_hidden_layers)
         self.dtype = dtype
-        self._build(model_dir, column_major=weights == "fp32")
+        map_large_allocations()
+        self._build(model_dir, pack=weights == "fp32" and packed.available())
         if weights != "fp32":
             # After _build has returned: the skeleton, which still referenced the
             # fp32 embedding and head, is gone, so converting frees them.
@@ -78,7 +76,7 @@ class StageModel(nn.Module):
             return_freed_memory()
         self.eval()
 
-    def _build(self, model_dir: Path, column_major: bool) -> None:
+    def _build(self, model_dir: Path, pack: bool) -> None:
         config, dtype, first, end = self.config, self.dtype, self.slice.first, self.slice.end
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
@@ -103,13 +101,12 @@ class StageModel(nn.Module):
         # checkpoint: build this module for real so they come out right.
         self.rotary_emb = type(decoder.rotary_emb)(config=config)
 
-        self._load(CheckpointReader(model_dir, skeleton), owned,
-                   tied_head_key=f"{prefix}.embed_tokens.weight"
-                   if getattr(config, "tie_word_embeddings", False) else None,
-                   column_major=column_major)
+        with CheckpointReader(model_dir, skeleton) as checkpoint:
+            self._load(checkpoint, owned, tied_head_key=f"{prefix}.embed_tokens.weight"
+                       if getattr(config, "tie_word_embeddings", False) else None, pack=pack)
 
     def _load(self, checkpoint: CheckpointReader, owned: dict[str, nn.Module],
-              tied_head_key: str | None, column_major: bool) -> None:
+              tied_head_key: str | None, pack: bool) -> None:
         wanted: list[tuple[str, nn.Module, str]] = []  # (model key, module, tensor name)
         for key_prefix, module in owned.items():
             for name, _ in [*module.named_parameters(), *module.named_buffers()]:
@@ -117,13 +114,31 @@ class StageModel(nn.Module):
                 if key not in checkpoint and tied_head_key and module is self.lm_head:
                     key = tied_head_key
                 wanted.append((key, module, name))
-        linear = {key for key, module, name in wanted if column_major
-                  and name.endswith("weight")
-                  and isinstance(module.get_submodule(name.rpartition(".")[0]), nn.Linear)}
-        # A tied head and embedding name one key: it is read once, set twice.
-        tensors = checkpoint.load({key for key, _, _ in wanted}, self.dtype, linear)
+        # Linear weights to pack: (owner, path of the Linear under it) -> checkpoint key.
+        linear: dict[tuple[nn.Module, str], str] = {}
         for key, module, name in wanted:
-            _set_tensor(module, name, tensors[key])
+            path, _, leaf = name.rpartition(".")
+            if pack and leaf == "weight" and isinstance(module.get_submodule(path), nn.Linear):
+                linear[module, path] = key
+        # A tied head and embedding name one key: it is read once, set twice.
+        packed_now = {(module, f"{path}.weight" if path else "weight")
+                      for module, path in linear}
+        tensors = checkpoint.load({key for key, module, name in wanted
+                                   if (module, name) not in packed_now}, self.dtype)
+        for key, module, name in wanted:
+            if key in tensors:
+                _set_tensor(module, name, tensors[key])
+        for (module, path), key in linear.items():
+            # Rows of a tied weight come from the embedding's plain copy, else from disk.
+            rows = (functools.partial(_rows, tensors[key]) if key in tensors else
+                    functools.partial(checkpoint.rows, key, dtype=self.dtype))
+            plain: nn.Linear = module.get_submodule(path)  # type: ignore[assignment]
+            packed_module = PackedLinear(rows, plain.out_features, plain.bias)
+            if path:
+                parent, _, leaf = path.rpartition(".")
+                setattr(module.get_submodule(parent), leaf, packed_module)
+            else:  # the owned module is the Linear: the LM head
+                self.lm_head = packed_module
         leftover = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
         if leftover:
             raise CheckpointError(f"{checkpoint.model_dir}: no values for {leftover[:5]}: this "
@@ -132,9 +147,11 @@ class StageModel(nn.Module):
 
     @property
     def param_bytes(self) -> int:
-        """Bytes of parameters this stage holds, in its weight mode (a tied tensor counts once)."""
+        """Bytes of parameters this stage holds, in its weight mode (a tied tensor counts once,
+        packed weights apart: a tied head packed beside its embedding is a second copy)."""
         unique = {p.data_ptr(): p.nelement() * p.element_size() for p in self.parameters()}
-        return sum(unique.values())
+        packed_bytes = sum(m.nbytes for m in self.modules() if isinstance(m, PackedLinear))
+        return sum(unique.values()) + packed_bytes
 
     # -- forward ---------------------------------------------------------------
 
@@ -194,16 +211,8 @@ def _module_path(root: nn.Module, target: nn.Module) -> str:
     raise CheckpointError(f"{type(target).__name__} is not part of {type(root).__name__}")
 
 
-def return_freed_memory() -> None:
-    """Hand freed heap pages back to the OS, so RSS shows what evicting caches freed.
-
-    glibc keeps freed blocks for reuse: after converting weights (the fp32
-    originals freed) or evicting caches, RSS would go on counting them.
-    """
-    libc = ctypes.util.find_library("c")
-    if libc:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(libc).malloc_trim(0)
+def _rows(tensor: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    return tensor[first:end]
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

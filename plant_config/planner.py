@@ -65,7 +65,8 @@ class ModelCosts:
     """What the planner knows about a model: per-part time and weight bytes, per-process memory.
 
     `head` is the final norm and the LM head; with `tied` its matrix is the
-    embedding's, held once by a stage that owns both.
+    embedding's, held once by a stage that owns both, unless `packed_fp32`: an
+    fp32 stage packs the head into a copy of its own (node_agent/packed.py).
     """
 
     layers: tuple[PartCost, ...]
@@ -77,6 +78,7 @@ class ModelCosts:
     tied: bool
     # Resident memory of an agent process before it loads any weight.
     baseline_bytes: int
+    packed_fp32: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -100,7 +102,7 @@ class ModelCosts:
             total += self.embedding_bytes[mode]
         if stop == self.num_layers:
             total += self.head_bytes[mode]
-            if first == 0 and self.tied:
+            if first == 0 and self.tied and not (mode == "fp32" and self.packed_fp32):
                 total -= self.embedding_bytes[mode]  # one matrix, counted above already
         return total
 

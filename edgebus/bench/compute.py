@@ -13,16 +13,17 @@ that changes tokens cannot be a silent default.
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from unittest import mock
 
 import torch
 from transformers import AutoConfig
 
 from edgebus.model_import import ensure_demo_model
+from node_agent import packed
 from node_agent.kv_cache import KVCache
 from node_agent.stage_model import StageModel
 
@@ -33,27 +34,21 @@ AGREEMENT_TOKENS = 32
 BATCHES = (1, 8)
 
 
-def _quantize_int8(model: StageModel) -> StageModel:
-    quantized = copy.deepcopy(model)
-    quantized.layers = torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
-        quantized.layers, {torch.nn.Linear}, dtype=torch.qint8)
-    return quantized
+def _plain_fp32(model_dir: Path, layers: int) -> StageModel:
+    # As stages ran before packing: F.linear on plain weights (MKL packs them per call).
+    with mock.patch.object(packed, "available", return_value=False):
+        return StageModel(model_dir, 0, layers)
 
 
-def _compile_layers(model: StageModel) -> StageModel:
-    compiled = copy.deepcopy(model)
-    for layer in compiled.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
-    return compiled
-
-
-VARIANTS: dict[str, Callable[[Path, StageModel], StageModel]] = {
-    "fp32 (default)": lambda _, base: base,
-    "bf16 weights and activations":
-        lambda model_dir, base: StageModel(model_dir, 0, base.slice.end, dtype=torch.bfloat16),
-    "int8 dynamic quantization of the decoder layers (head fp32)":
-        lambda _, base: _quantize_int8(base),
-    "torch.compile of each decoder layer": lambda _, base: _compile_layers(base),
+# name -> build(model_dir, number of layers); the first is the reference.
+VARIANTS: dict[str, Callable[[Path, int], StageModel]] = {
+    "fp32, weights packed for oneDNN (the default)":
+        lambda model_dir, layers: StageModel(model_dir, 0, layers),
+    "fp32, plain weights (F.linear)": _plain_fp32,
+    "bf16 weights (`weights: bf16`)":
+        lambda model_dir, layers: StageModel(model_dir, 0, layers, weights="bf16"),
+    "int8 weights (`weights: int8`)":
+        lambda model_dir, layers: StageModel(model_dir, 0, layers, weights="int8"),
 }
 
 
@@ -83,12 +78,13 @@ def greedy(model: StageModel) -> list[int]:
 
 
 def measure(model_dir: Path) -> str:
-    base = StageModel(model_dir, 0, AutoConfig.from_pretrained(model_dir).num_hidden_layers)
-    reference = greedy(base)
+    layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    reference: list[int] | None = None
     rows = []
     for name, build in VARIANTS.items():
-        model = build(model_dir, base)
+        model = build(model_dir, layers)
         tokens = greedy(model)
+        reference = reference or tokens
         agreement = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True))
                           if a != b), AGREEMENT_TOKENS)
         cells = [name]
@@ -117,11 +113,18 @@ def main() -> None:
         f"{torch.get_num_threads()} torch threads, the whole SmolLM2-135M-Instruct as one "
         f"stage, decode steps after a {PROMPT_TOKENS}-token prompt.\n\n"
         f"{table}\n\n"
-        "A decode step here is bound by reading the weights (538 MB in fp32; the tied "
-        "49152x576 head alone is 113 MB a token), which is why batching and smaller weight "
-        "types pay and compilation does not. fp32 stays the default because the pipeline is "
-        "token-exact against `generate` in fp32; bf16 and int8 are weight modes a plant "
-        "chooses per node, with their quality measured (the DeepSeek/quantization work).\n")
+        "One decode row is bound by reading the weights (538 MB in fp32; the tied 49152x576 "
+        "head alone is 113 MB a token). A batch of rows with plain weights is not: MKL's "
+        "GEMM copies each weight into its own blocked layout on every call, which for a few "
+        "rows costs as much as the product; weights packed once for oneDNN skip the copy. "
+        "fp32 stays the default because the pipeline is token-exact against `generate` in "
+        "fp32; bf16 and int8 are weight modes a plant chooses per node, with their quality "
+        "measured in weight-modes.md.\n\n"
+        "Tried before and dropped: `torch.compile` of each decoder layer (65.8 ms a step at "
+        "batch 1 against 57.2 ms for the layers as they are, 2026-11-30 03:57 UTC); "
+        "optimum-quanto qint8 (12.6 tok/s against 30 for fp32, in the issue's measurement); "
+        "keeping fp32 weights column-major (a one-row step 15 % faster, a batch of 8 5 % "
+        "slower than plain; packing beats it from 2 rows up).\n")
     print(f"wrote {args.out}")
 
 
