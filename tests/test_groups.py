@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from node_agent.groups import Outbox
+from node_agent.groups import MIN_GROUP_ROWS, Outbox
 
 
 class _Plant:
@@ -45,16 +45,19 @@ async def test_a_groups_steps_in_one_turn_leave_as_one_message_per_node() -> Non
 
 async def test_a_new_request_joins_the_smallest_group_and_waits_for_its_next_pass() -> None:
     plant = _Plant(groups=2)
-    plant.step(1)
-    plant.step(2)
-    assert sorted(await plant.turn()) == [("s0", [b"01"]), ("s0", [b"02"])]  # two groups
-    assert plant.outbox.members == [{1}, {2}]
-    plant.step(3)  # joins group 0, whose member 1 has a step in flight
+    first = list(range(1, MIN_GROUP_ROWS + 1))
+    for seq in first:  # too few for two groups of MIN_GROUP_ROWS: all in group 0
+        plant.step(seq)
+    assert await plant.turn() == [("s0", [b"%02d" % seq for seq in first])]
+    extra, later = MIN_GROUP_ROWS + 1, MIN_GROUP_ROWS + 2
+    plant.step(extra)  # opens group 1, with no step in flight: leaves at once
+    assert await plant.turn() == [("s0", [b"%02d" % extra])]
+    plant.step(later)  # joins group 1, the smaller, whose member has a step in flight
     assert await plant.turn() == []
-    plant.stepping.discard(1)  # 1's result arrives; its next step carries 3 along
-    plant.step(1)
-    assert await plant.turn() == [("s0", [b"01", b"03"])]
-    assert plant.outbox.members == [{1, 3}, {2}]
+    plant.stepping.discard(extra)  # its result arrives; its next step carries `later` along
+    plant.step(extra)
+    assert await plant.turn() == [("s0", [b"%02d" % extra, b"%02d" % later])]
+    assert plant.outbox.members == [set(first), {extra, later}]
 
 
 async def test_a_joiner_does_not_wait_for_a_group_that_stopped_moving() -> None:
