@@ -114,30 +114,27 @@ class StageModel(nn.Module):
                 if key not in checkpoint and tied_head_key and module is self.lm_head:
                     key = tied_head_key
                 wanted.append((key, module, name))
-        # Linear weights to pack: (owner, path of the Linear under it) -> checkpoint key.
-        linear: dict[tuple[nn.Module, str], str] = {}
-        for key, module, name in wanted:
-            path, _, leaf = name.rpartition(".")
-            if pack and leaf == "weight" and isinstance(module.get_submodule(path), nn.Linear):
-                linear[module, path] = key
+        # Linear weights to pack instead of setting: (owner, tensor name) -> checkpoint key.
+        linear = {(module, name): key for key, module, name in wanted
+                  if pack and name.rpartition(".")[2] == "weight"
+                  and isinstance(module.get_submodule(name.rpartition(".")[0]), nn.Linear)}
         # A tied head and embedding name one key: it is read once, set twice.
-        packed_now = {(module, f"{path}.weight" if path else "weight")
-                      for module, path in linear}
         tensors = checkpoint.load({key for key, module, name in wanted
-                                   if (module, name) not in packed_now}, self.dtype)
+                                   if (module, name) not in linear}, self.dtype)
         for key, module, name in wanted:
-            if key in tensors:
+            if (module, name) not in linear:
                 _set_tensor(module, name, tensors[key])
-        for (module, path), key in linear.items():
+        for (module, name), key in linear.items():
             # Rows of a tied weight come from the embedding's plain copy, else from disk.
             rows = (functools.partial(_rows, tensors[key]) if key in tensors else
                     functools.partial(checkpoint.rows, key, dtype=self.dtype))
+            path = name.rpartition(".")[0]
             plain: nn.Linear = module.get_submodule(path)  # type: ignore[assignment]
             packed_module = PackedLinear(rows, plain.out_features, plain.bias)
             if path:
                 parent, _, leaf = path.rpartition(".")
                 setattr(module.get_submodule(parent), leaf, packed_module)
-            else:  # the owned module is the Linear: the LM head
+            else:  # the owned module is the Linear itself: the LM head
                 self.lm_head = packed_module
         leftover = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
         if leftover:
