@@ -73,6 +73,9 @@ class Shard:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
         self._file.close()
 
     def keys(self) -> list[str]:
@@ -159,7 +162,7 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         for shard in self._shards.values():
-            shard.__exit__()
+            shard.close()
         self._shards.clear()
 
     def __contains__(self, name: str) -> bool:
