@@ -30,10 +30,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from edgebus.errors import CheckpointError
-from node_agent import packed
+from node_agent import memory, packed
 from node_agent.checkpoint import CheckpointReader
 from node_agent.kv_cache import KVCache
-from node_agent.memory import map_large_allocations, return_freed_memory
 from node_agent.packed import PackedLinear
 from node_agent.quantize import quantize
 from node_agent.ragged import ATTENTION_NAME, BatchKV
@@ -67,13 +66,12 @@ class StageModel(nn.Module):
         self.config: PretrainedConfig = config
         self.slice = StageSlice(first, end, config.num_hidden_layers)
         self.dtype = dtype
-        map_large_allocations()
-        self._build(model_dir, pack=weights == "fp32" and packed.available())
-        if weights != "fp32":
-            # After _build has returned: the skeleton, which still referenced the
-            # fp32 embedding and head, is gone, so converting frees them.
-            quantize(self, weights)
-            return_freed_memory()
+        with memory.loading():
+            self._build(model_dir, pack=weights == "fp32" and packed.available())
+            if weights != "fp32":
+                # After _build has returned: the skeleton, which still referenced the
+                # fp32 embedding and head, is gone, so converting frees them.
+                quantize(self, weights)
         self.eval()
 
     def _build(self, model_dir: Path, pack: bool) -> None:
