@@ -420,13 +420,14 @@ class Coordinator:
             self._outbox.step(gen.seq, first, frames.encode(
                 Kind.TOKENS, torch.tensor([todo]), header, start=start, candidates=candidates))
             return
-        chunk = self.spec.prefill_chunk
-        for offset in range(0, len(todo), chunk):
-            last = offset + chunk >= len(todo)
-            ids = torch.tensor([todo[offset:offset + chunk]])
+        offset = 0
+        for size in prefill_chunks(len(todo), self.spec.prefill_chunk):
+            last = offset + size == len(todo)
+            ids = torch.tensor([todo[offset:offset + size]])
             self._outbox.send(first, frames.encode(Kind.TOKENS, ids, header, start=start + offset,
                                                    candidates=candidates if last else 0,
                                                    prefill=True))
+            offset += size
 
     # -- routes --------------------------------------------------------------------
 
@@ -517,6 +518,20 @@ class Coordinator:
     async def _event(self, kind: str, message: str, request_id: str | None = None) -> None:
         await publish_event(self.bus, self.topics, Event(
             kind=kind, agent_id=self.spec.id, message=message, request_id=request_id))  # type: ignore[arg-type]
+
+
+def prefill_chunks(positions: int, chunk: int) -> list[int]:
+    """Sizes of the prefill frames for `positions` prompt positions, each at most `chunk`.
+
+    A prompt longer than a chunk starts with half a chunk: until it has left
+    the first stage, the other stages have nothing to do, so a smaller one sets
+    them to work sooner (a 512-token prompt goes as 64+128+128+128+64).
+    """
+    if positions <= chunk:
+        return [positions]
+    first = max(1, chunk // 2)
+    rest = positions - first
+    return [first, *[min(chunk, rest - offset) for offset in range(0, rest, chunk)]]
 
 
 def _error_response(request_id: str, exc: RequestError) -> GenerateResponse:

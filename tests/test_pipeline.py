@@ -17,6 +17,7 @@ from tiny_models import build_tiny
 
 from edgebus.ask import ask
 from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
+from node_agent.coordinator import prefill_chunks
 from plant_config import Plant
 
 # A maintenance log long enough to be a >= 300-token prompt.
@@ -112,6 +113,15 @@ async def test_chunked_prefill_stays_exact(smollm2_dir: Path, amqtt_broker: Brok
         assert response.tokens == reference_tokens(smollm2_dir, request), request.id
     prompt_positions = sum(len(prompt_ids(smollm2_dir, r)) for r in reqs)
     assert stages[0].metrics["steps"] >= prompt_positions // chunk  # it really was chunked
+
+
+@pytest.mark.parametrize("positions", [1, 127, 128, 129, 200, 512, 1000])
+def test_prefill_chunks_cover_the_prompt(positions: int) -> None:
+    """Every position once, in frames of at most a chunk; a long prompt leads with half a chunk."""
+    sizes = prefill_chunks(positions, 128)
+    assert sum(sizes) == positions
+    assert all(0 < size <= 128 for size in sizes)
+    assert sizes[0] == (positions if positions <= 128 else 64)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
