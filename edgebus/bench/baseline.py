@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
@@ -27,12 +30,14 @@ from edgebus.bench.metrics import (
     stream_stats,
     time_to_first_token,
 )
-from edgebus.bench.results import TransformersBaseline
+from edgebus.bench.results import OneCoreBaseline, TransformersBaseline
 from edgebus.bench.workload import chat_request, long_request
 from edgebus.errors import EdgebusError
 from edgebus.processes import proc_status_bytes
 from node_agent.checkpoint import tensor_locations
 from node_agent.text import prompt_ids
+
+T = TypeVar("T")
 
 # Untimed runs first: the first generate pays for allocator growth and for
 # oneDNN picking its kernels for each new shape.
@@ -41,8 +46,6 @@ WARMUP_RUNS = 1
 STATIC_BATCHES = (8, 16)
 # Room for the chat prompt plus the longest --tokens anyone runs.
 LLAMA_CPP_CONTEXT = 2048
-# What a stage agent imports before it builds its model: the RSS every agent
-# pays whatever its share of the weights.
 # Bytes per element of the safetensors dtypes a checkpoint may hold.
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                 "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -68,11 +71,10 @@ def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, *, tok
                      runs: int, long_prompt: str, threads: int) -> TransformersBaseline:
     """Baseline A: single stream, static batches, and the long prompt's time to first token."""
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()  # type: ignore[no-untyped-call]
-    try:
-        chat = torch.tensor([prompt_ids(tokenizer, chat_request("baseline", tokens))])
-        long = torch.tensor([prompt_ids(tokenizer, long_request("baseline", long_prompt))])
+    chat = torch.tensor([prompt_ids(tokenizer, chat_request("baseline", tokens))])
+    long = torch.tensor([prompt_ids(tokenizer, long_request("baseline", long_prompt))])
+
+    def measure(model: PreTrainedModel) -> TransformersBaseline:
         for _ in range(WARMUP_RUNS):
             _generate(model, chat, tokens)
             _generate(model, long, 1)
@@ -80,10 +82,47 @@ def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, *, tok
         batch = {size: _batch_rate(model, chat, size, tokens) for size in STATIC_BATCHES}
         long_ttft = statistics.median(time_to_first_token(_generate(model, long, 1))
                                       for _ in range(runs))
+        return TransformersBaseline(single=single, batch_tok_s=batch, long_ttft_s=long_ttft)
+
+    return _measured(model_dir, measure)
+
+
+def run_transformers_one_core(model_dir: Path, tokenizer: PreTrainedTokenizerBase, *,
+                              tokens: int, runs: int, cpu: int,
+                              batches: tuple[int, ...]) -> OneCoreBaseline:
+    """The one process the pinned stages are compared with: one thread, pinned to `cpu`.
+
+    Linux only (sched_setaffinity); the caller's affinity and thread count are
+    restored afterwards.
+    """
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    chat = torch.tensor([prompt_ids(tokenizer, chat_request("baseline", tokens))])
+
+    def measure(model: PreTrainedModel) -> OneCoreBaseline:
+        for _ in range(WARMUP_RUNS):
+            _generate(model, chat, tokens)
+        single = stream_stats([_generate(model, chat, tokens) for _ in range(runs)])
+        batch = {size: _batch_rate(model, chat, size, tokens) for size in batches}
+        return OneCoreBaseline(single_tok_s=single.tok_s, batch_tok_s=batch)
+
+    try:
+        return _measured(model_dir, measure)
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, affinity)
+
+
+def _measured(model_dir: Path, measure: Callable[[PreTrainedModel], T]) -> T:
+    """`measure` run on the fp32 model of `model_dir`, which is freed before this returns."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()  # type: ignore[no-untyped-call]
+    try:
+        return measure(model)
     finally:
         del model
         gc.collect()  # the agents measured next should not share the box with 0.5 GB of garbage
-    return TransformersBaseline(single=single, batch_tok_s=batch, long_ttft_s=long_ttft)
 
 
 def _generate(model: PreTrainedModel, ids: torch.Tensor, tokens: int) -> Trace:

@@ -75,6 +75,15 @@ class TransformersBaseline:
 
 
 @dataclass(frozen=True)
+class OneCoreBaseline:
+    """transformers on one pinned core with one thread: the one process that 2 pinned
+    stages are compared with."""
+
+    single_tok_s: float            # requests one at a time: how generate serves them
+    batch_tok_s: dict[int, float]  # the same requests as one static batch: an upper bound
+
+
+@dataclass(frozen=True)
 class Wire:
     """Payload bytes one decode token puts on each activation topic ({root}/act/<agent>)."""
 
@@ -127,5 +136,6 @@ class BenchResult:
     stage_param_bytes: list[int]
     pipelines: list[PipelineRun]
     boxes: list[BoxesRun]  # empty with --quick
+    one_core: OneCoreBaseline | None  # None with --quick
     elapsed_s: float
     notes: list[str]

@@ -1,8 +1,8 @@
 """`edgebus bench`: every phase in order, each plant started as real processes, then the report.
 
 Phases: the one-process baselines (transformers, llama.cpp, an idle agent's
-memory), the 3-stage pipeline on each broker, and, without --quick, one
-pinned stage against two pinned stages. Plants run from a temporary
+memory), the 3-stage pipeline on each broker, and, without --quick,
+transformers on one pinned core, one pinned stage and two pinned stages. Plants run from a temporary
 directory, which keeps their plant files and agent logs for a post-mortem.
 """
 
@@ -104,7 +104,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
     workdir = Path(tempfile.mkdtemp(prefix="edgebus-bench-"))
     notes: list[str] = []
 
-    phases = 3 + len(settings.brokers) + (2 if settings.boxes else 0)
+    phases = 3 + len(settings.brokers) + (3 if settings.boxes else 0)
     print(f"edgebus bench: {phases} phases; plant files and agent logs in {workdir}", flush=True)
     with tqdm(total=phases, unit="phase", file=sys.stdout) as bar:
         with _phase(bar, "baseline: transformers"):
@@ -122,8 +122,13 @@ def run_bench(settings: BenchSettings) -> BenchResult:
                 pipelines.append(run_pipeline(broker, model_dir, workdir, settings, prompt,
                                               notes))
         boxes: list[BoxesRun] = []
+        one_core = None
         if settings.boxes:
             cpus = sorted(os.sched_getaffinity(0))[:2]
+            with _phase(bar, "boxes: transformers on 1 core"):
+                one_core = baseline.run_transformers_one_core(
+                    model_dir, tokenizer, tokens=settings.tokens, runs=settings.runs,
+                    cpu=cpus[0], batches=BOXES_CONCURRENCY)
             for stages in (1, 2):
                 with _phase(bar, f"boxes: {stages} pinned stage(s)"):
                     boxes.append(run_boxes(stages, cpus, model_dir, workdir, settings))
@@ -135,7 +140,8 @@ def run_bench(settings: BenchSettings) -> BenchResult:
         llama_cpp=llama, idle_rss=idle, stage_layers=layers,
         stage_param_bytes=param_bytes_by_stage(baseline.checkpoint_tensor_bytes(model_dir),
                                                layers),
-        pipelines=pipelines, boxes=boxes, elapsed_s=time.monotonic() - started, notes=notes)
+        pipelines=pipelines, boxes=boxes, one_core=one_core,
+        elapsed_s=time.monotonic() - started, notes=notes)
     text, plot = write_report(result)
     print(text)
     print(f"wrote {settings.out}" + (f" and {plot}" if plot is not None else
