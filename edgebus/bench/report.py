@@ -272,27 +272,35 @@ def _memory(result: BenchResult) -> str:
     rows = []
     for run in result.pipelines:
         for name, peak in run.peak_rss.items():
-            single = run.single_peak_rss.get(name)
-            cells = [run.broker, name, mib(single) if single is not None else "", mib(peak),
-                     mib(run.end_rss[name]) if name in run.end_rss else ""]
-            if name in weights and single is not None:
-                held = weights[name]
-                verdict = PASS if single <= held + result.idle_rss else FAIL
-                cells += [mib(held), mib(single - result.idle_rss - held), verdict]
+            online, single = run.online_peak_rss.get(name), run.single_peak_rss.get(name)
+            cells = [run.broker, name, *(mib(b) if b is not None else "" for b in
+                                         (online, single, peak, run.end_rss.get(name)))]
+            if name in weights and online is not None and single is not None:
+                base = weights[name] + result.idle_rss
+                cells += [mib(weights[name]), mib(online - base), mib(single - base),
+                          PASS if single <= base else FAIL]
             else:
-                cells += ["", "", ""]
+                cells += ["", "", "", ""]
             rows.append(cells)
     return ("## Memory per process\n\n"
-            "Peak RSS (VmHWM) after the one-request-at-a-time measurements (single stream, "
-            f"the long prompt), peak RSS at the end of the phase (after {top} concurrent "
-            "requests: their KV caches, which each node bounds by its `kv_budget_mb`, come "
-            "on top), and RSS (VmRSS) at the end. An idle agent "
-            "(Python with torch, transformers and the stage agent imported, and the model "
-            "built on the meta device: its code, no weights) peaks at "
-            f"{mib(result.idle_rss)}.\n\n"
-            + table(["broker", "process", "peak RSS, one request at a time",
+            "Peak RSS (VmHWM) once the agent is online (loading included, nothing served "
+            "yet), after the one-request-at-a-time measurements (single stream, the long "
+            f"prompt), and at the end of the phase (after {top} concurrent requests: their "
+            "KV caches, which each node bounds by its `kv_budget_mb`, come on top); RSS "
+            "(VmRSS) at the end. An idle agent (Python with torch, transformers and the "
+            "stage agent imported, and the model built on the meta device: its code, no "
+            f"weights) peaks at {mib(result.idle_rss)}.\n\n"
+            + table(["broker", "process", "peak RSS, online", "peak RSS, one request at a time",
                      f"peak RSS, after {top} concurrent", "RSS at end", "weights held",
-                     "one at a time - idle - weights", "≤ weights + idle"], rows))
+                     "online - idle - weights", "one at a time - idle - weights",
+                     "≤ weights + idle"], rows)
+            + "\n\nAbove weights + idle, a stage holds what serving needs: the KV cache of "
+            "the request in service (a middle stage: ~9 MiB for the long prompt's 576 "
+            "positions), the pages of library code its forward pass runs (~11 MiB of "
+            "libtorch, counted in RSS though shared between processes), and the working set "
+            "of its largest prefill chunk (~6 MiB for 128 positions), which the heap keeps "
+            "for the next one ([architecture.md](architecture.md)). Measured in one process "
+            "with `StageModel`; the agent's MQTT client and frame buffers add the rest.")
 
 
 def _boxes(result: BenchResult) -> str:

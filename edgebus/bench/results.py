@@ -104,9 +104,10 @@ class PipelineRun:
     hop: HopLatency
     compute_per_step_s: list[float] | None  # per stage; None when stages publish no metrics
     overhead_per_hop_s: float | None
-    # process name -> bytes: peak (VmHWM) after the one-request-at-a-time
-    # measurements, peak at the end of the phase (every concurrency's KV caches
-    # included), and RSS (VmRSS) at the end.
+    # process name -> bytes: peak (VmHWM) once online (loading included, nothing
+    # served yet), after the one-request-at-a-time measurements, at the end of the
+    # phase (every concurrency's KV caches included), and RSS (VmRSS) at the end.
+    online_peak_rss: dict[str, int]
     single_peak_rss: dict[str, int]
     peak_rss: dict[str, int]
     end_rss: dict[str, int]

@@ -247,6 +247,8 @@ def run_pipeline(broker: str, model_dir: Path, workdir: Path, settings: BenchSet
 async def _measure_pipeline(broker: str, processes: PlantProcesses, settings: BenchSettings,
                             prompt: str, extra_pids: dict[str, int]) -> PipelineRun:
     await processes.wait_online(READY_TIMEOUT_S)
+    pids = {**processes.pids, **extra_pids}
+    online_peak = {name: baseline.rss(pid)[0] for name, pid in pids.items()}
     plant = processes.plant
     hop = await broker_hop(plant)  # before any request: the broker and the agents are idle
 
@@ -266,7 +268,6 @@ async def _measure_pipeline(broker: str, processes: PlantProcesses, settings: Be
             time_to_first_token(await gateway.generate(long(), REQUEST_TIMEOUT_S))
             for _ in range(settings.runs)])
         wire, compute = await _wire_and_compute(gateway, settings.tokens)
-        pids = {**processes.pids, **extra_pids}
         single_peak = {name: baseline.rss(pid)[0] for name, pid in pids.items()}
         load = [await _load(gateway, chat, concurrency, settings)
                 for concurrency in settings.concurrency]
@@ -277,7 +278,7 @@ async def _measure_pipeline(broker: str, processes: PlantProcesses, settings: Be
     return PipelineRun(broker=broker, single=single, load=load, long_ttft_s=long_ttft,
                        wire=wire, hop=hop, compute_per_step_s=compute,
                        overhead_per_hop_s=overhead,
-                       single_peak_rss=single_peak,
+                       online_peak_rss=online_peak, single_peak_rss=single_peak,
                        peak_rss={name: peak for name, (peak, _) in rss.items()},
                        end_rss={name: now for name, (_, now) in rss.items()})
 
