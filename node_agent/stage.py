@@ -197,7 +197,7 @@ class StageAgent:
         try:
             if rows[0][0].prefill:
                 (frame, x, cache, _), = rows
-                hidden = self.model.prefill(x, cache, frame.start)
+                hidden = self.model.prefill(x, cache, frame.start, logits=frame.candidates > 0)
             else:
                 hidden = self.model.decode(torch.cat([row[1] for row in rows]),
                                            [row[2] for row in rows],

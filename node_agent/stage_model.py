@@ -151,18 +151,21 @@ class StageModel(nn.Module):
     # -- forward ---------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, cache: KVCache, start: int, *,
+                logits: bool = True) -> torch.Tensor:
         """Run T >= 1 new positions [start, start+T) of one request.
 
         x: [1, T] token ids on the first stage, else [1, T, H] hidden states.
-        Returns [1, T, H] hidden states, or [1, V] logits of the last position
-        on the last stage.
+        Returns [1, T, H] hidden states, or on the last stage [1, V] logits of
+        the last position; with `logits=False` (a prompt chunk before the last:
+        nothing to sample) it skips the head and returns the hidden states.
         """
         t = x.shape[1]
         # SDPA's is_causal aligns the triangle top-left, which is only right when
         # nothing is cached yet; with history the mask must be spelled out.
         mask = None if start == 0 or t == 1 else _causal_mask(start, t)
-        return self._run(x, cache, torch.arange(start, start + t).unsqueeze(0), mask)
+        return self._run(x, cache, torch.arange(start, start + t).unsqueeze(0), mask,
+                         head=logits)
 
     @torch.inference_mode()
     def decode(self, x: torch.Tensor, caches: list[KVCache], positions: list[int]
@@ -179,13 +182,14 @@ class StageModel(nn.Module):
         return self._run(x, batch, pos, None, batch_kv=batch)
 
     def _run(self, x: torch.Tensor, cache: KVCache | BatchKV, positions: torch.Tensor,
-             mask: torch.Tensor | None, **attention_kwargs: object) -> torch.Tensor:
+             mask: torch.Tensor | None, head: bool = True, **attention_kwargs: object
+             ) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)  # [B,T,H]
         rope = self.rotary_emb(h, positions)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=positions, cache=cache,
                       use_cache=True, position_embeddings=rope, **attention_kwargs)
-        if self.lm_head is None:
+        if self.lm_head is None or not head:
             return h
         assert self.norm is not None
         logits: torch.Tensor = self.lm_head(self.norm(h[:, -1:]))[:, -1]               # [B,V]

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from edgebus.errors import CheckpointError
+from node_agent.kv_cache import KVCache
 from node_agent.stage_model import StageModel
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -45,6 +46,14 @@ def test_stage_holds_only_its_own_parameters(smollm2_dir: Path, first: int, end:
     own = tuple(f"model.layers.{i}." for i in range(first, end)) + extra
     assert stage.param_bytes == _checkpoint_bytes(smollm2_dir, own)
     assert stage.param_bytes < 0.5 * _checkpoint_bytes(smollm2_dir, ("",))
+
+
+@pytest.mark.slow
+def test_last_stage_skips_the_head_for_a_prompt_chunk_before_the_last(smollm2_dir: Path) -> None:
+    stage = StageModel(smollm2_dir, 20, 30)
+    x = torch.randn(1, 8, 576)                                                       # [1,T,H]
+    assert stage.prefill(x, KVCache(), 0, logits=False).shape == (1, 8, 576)
+    assert stage.prefill(x, KVCache(), 0).shape == (1, stage.config.vocab_size)
 
 
 _MEASURE = """
