@@ -1,16 +1,19 @@
-"""Batched decode over requests whose histories differ in length.
+"""One forward pass over several requests' new positions, each with its own history.
 
-Continuous batching runs one decode step of B requests as one forward pass:
-the linear layers (where the weights are read, and a decode step on a CPU is
-bound by reading weights) see a [B, 1, H] batch, while attention stays per
-request, over that request's own keys and values. No padding, no copying KV
-histories into a padded block, and each request's attention is the very
-kernel call an unbatched step makes.
+Continuous batching runs the work waiting at a stage as one forward pass:
+decode steps of requests at different positions, and a prompt chunk beside
+them. The new positions are packed along one sequence axis, [1, T1+T2+..., H],
+so the linear layers (where the weights are read, and a step on a CPU is bound
+by reading weights) read each weight once for all of them, while attention
+stays per request: request i's T_i queries over its own cached keys and values.
+No padding, no copying KV histories into a padded block, and each request's
+attention is the very kernel call an unbatched step makes.
 
 HF attention modules call `cache.update(...)` and then the configured
 attention function with the layer's kwargs; `BatchKV` stands in for the cache
-and `ragged_attention` (registered as ATTENTION_NAME) finds the per-request
-keys and values through the `batch_kv` kwarg the stage passes to its layers.
+and `ragged_attention` (registered as ATTENTION_NAME) finds each request's
+segment, keys and values through the `batch_kv` kwarg the stage passes to its
+layers.
 
 Multi-head latent attention (DeepSeek-V2/V3) caches something else: the
 compressed latent [b, 1, t, kv_lora_rank] and the shared rotary key
@@ -23,6 +26,7 @@ of that request's positions, as an unbatched step does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,28 +39,54 @@ from node_agent.kv_cache import KVCache
 ATTENTION_NAME = "edgebus_ragged"
 
 
-class BatchKV:
-    """The KV caches of B requests, seen by the attention modules as one cache."""
+@dataclass(frozen=True)
+class Segment:
+    """One request's new positions [start, start + length) in a packed batch."""
 
-    def __init__(self, caches: list[KVCache]) -> None:
-        self.caches = caches
+    cache: KVCache
+    start: int
+    length: int
+
+
+class BatchKV:
+    """The KV caches of a packed batch's requests, seen by the attention modules as one cache."""
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+        # Where each segment's positions sit on the packed axis.
+        self.offsets = [sum(s.length for s in segments[:i]) for i in range(len(segments))]
         self._current: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append row i ([B, h, 1, d]) to request i's cache; attention reads `history`.
+        """Append each segment's part of [1, h, sum(T), d] to its request's cache.
 
-        Returns this step's rows only: MLA modules expand them before attention,
+        Returns this step's states only: MLA modules expand them before attention,
         which then ignores them for the per-request histories.
         """
         self._current[layer_idx] = [
-            cache.update(key_states[i:i + 1], value_states[i:i + 1], layer_idx)
-            for i, cache in enumerate(self.caches)]
+            seg.cache.update(key_states[:, :, o:o + seg.length],
+                             value_states[:, :, o:o + seg.length], layer_idx)
+            for seg, o in zip(self.segments, self.offsets, strict=True)]
         return key_states, value_states
 
     def history(self, layer_idx: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per request: all keys and values of `layer_idx`, this step's included."""
         return self._current[layer_idx]
+
+
+def causal_mask(start: int, t: int) -> torch.Tensor | None:
+    """What T queries at positions [start, start+T) may see of keys 0..start+T-1.
+
+    None where SDPA needs no mask: one query sees every key, and with nothing
+    cached its is_causal triangle (aligned top-left) is right. Else [1, 1, T,
+    start+T] bool: query i sees keys 0..start+i.
+    """
+    if start == 0 or t == 1:
+        return None
+    keys = torch.arange(start + t)
+    queries = torch.arange(start, start + t).unsqueeze(1)
+    return (keys <= queries)[None, None]
 
 
 def ragged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -65,20 +95,21 @@ def ragged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                      ) -> tuple[torch.Tensor, None]:
     """SDPA, run per request when the layer is given a BatchKV.
 
-    query: [B, heads, 1, d]. Returns [B, 1, heads, d_v] like sdpa_attention_forward
-    (d_v = the value head size, which MLA makes smaller than d).
+    query: [1, heads, sum(T), d]. Returns [1, sum(T), heads, d_v] like
+    sdpa_attention_forward (d_v = the value head size, which MLA makes smaller than d).
     """
     if batch_kv is None:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return out, None
     history = batch_kv.history(module.layer_idx)  # type: ignore[arg-type]
     expand = getattr(module, "expand_kv", None)  # MLA: the cache holds latents
-    rows = []
-    for i, (k, v) in enumerate(history):
+    parts = []
+    for seg, o, (k, v) in zip(batch_kv.segments, batch_kv.offsets, history, strict=True):
         if expand is not None:
             k, v = expand(k, v)
-        rows.append(sdpa_attention_forward(module, query[i:i + 1], k, v, None, **kwargs)[0])
-    return torch.cat(rows), None
+        parts.append(sdpa_attention_forward(module, query[:, :, o:o + seg.length], k, v,
+                                            causal_mask(seg.start, seg.length), **kwargs)[0])
+    return torch.cat(parts, dim=1), None
 
 
 AttentionInterface.register(ATTENTION_NAME, ragged_attention)

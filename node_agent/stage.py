@@ -94,8 +94,8 @@ class StageAgent:
         self.inbox: asyncio.Queue[list[Frame]] = asyncio.Queue()  # one entry per message
         self._prompts: collections.deque[Frame] = collections.deque()  # prefill chunks waiting
         self._swept = time.monotonic()
-        self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "skipped_frames": 0.0,
-                        "evicted": 0.0}
+        self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "mixed_steps": 0.0,
+                        "skipped_frames": 0.0, "evicted": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(node_id), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
@@ -129,7 +129,11 @@ class StageAgent:
     # -- scheduling (event loop) -----------------------------------------------
 
     async def _work(self) -> None:
-        """Run each message's decode rows as one batch, and a prompt chunk between batches.
+        """Run each message's decode rows as one batch, a waiting prompt chunk in it.
+
+        The chunk shares the batch's forward pass (StageModel.step): the
+        weights are read once for both, and other requests' decode steps wait
+        for at most one chunk's compute.
 
         A message's decode rows are a group the coordinator formed
         (node_agent/groups.py); merging queued groups here would fuse them
@@ -143,18 +147,30 @@ class StageAgent:
                 message = await self.inbox.get()
             else:
                 message = [] if self.inbox.empty() else self.inbox.get_nowait()
-            decodes: list[Frame] = []
-            for frame in message:
-                if frame.kind == Kind.RELEASE:
-                    await loop.run_in_executor(self._executor, self._release, frame)
-                elif frame.prefill:
-                    self._prompts.append(frame)
-                else:
-                    decodes.append(frame)
-            for first in range(0, len(decodes), MAX_BATCH):
-                await self._run(loop, decodes[first:first + MAX_BATCH])
-            if self._prompts:
-                await self._run(loop, [self._prompts.popleft()])
+            decodes = await self._sort(loop, message)
+            # A message of prompt chunks only (a new request): the next group's rows, if
+            # already here, share their pass.
+            while not decodes and self._prompts and not self.inbox.empty():
+                decodes = await self._sort(loop, self.inbox.get_nowait())
+            batches = [decodes[first:first + MAX_BATCH]
+                       for first in range(0, len(decodes), MAX_BATCH)] or [[]]
+            if self._prompts:  # one prompt chunk rides along: the weights are read once for both
+                batches[-1].insert(0, self._prompts.popleft())
+            for batch in batches:
+                if batch:
+                    await self._run(loop, batch)
+
+    async def _sort(self, loop: asyncio.AbstractEventLoop, message: list[Frame]) -> list[Frame]:
+        """Carry out a message's releases, queue its prompt chunks; return its decode rows."""
+        decodes: list[Frame] = []
+        for frame in message:
+            if frame.kind == Kind.RELEASE:
+                await loop.run_in_executor(self._executor, self._release, frame)
+            elif frame.prefill:
+                self._prompts.append(frame)
+            else:
+                decodes.append(frame)
+        return decodes
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[Frame]) -> None:
         out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
@@ -195,13 +211,10 @@ class StageAgent:
                  out: dict[str, list[bytes]], errors: list[str]) -> None:
         started = time.perf_counter()
         try:
-            if rows[0][0].prefill:
-                (frame, x, cache, _), = rows
-                hidden = self.model.prefill(x, cache, frame.start, logits=frame.candidates > 0)
-            else:
-                hidden = self.model.decode(torch.cat([row[1] for row in rows]),
-                                           [row[2] for row in rows],
-                                           [row[0].start for row in rows])
+            # A prompt chunk before the last needs no logits: nothing is sampled from it.
+            outputs = self.model.step([row[1] for row in rows], [row[2] for row in rows],
+                                      [row[0].start for row in rows],
+                                      [row[0].candidates > 0 for row in rows])
         except Exception as exc:
             # A half-updated cache would poison every later step of these requests.
             reason = f"forward failed ({type(exc).__name__}: {exc})"
@@ -214,9 +227,11 @@ class StageAgent:
         self.metrics["compute_s"] += time.perf_counter() - started
         self.metrics["steps"] += 1
         self.metrics["rows"] += len(rows)
-        for i, (frame, _, cache, topic) in enumerate(rows):
+        if len(rows) > 1 and any(row[0].prefill for row in rows):
+            self.metrics["mixed_steps"] += 1  # a prompt chunk shared a decode batch's pass
+        for (frame, _, cache, topic), output in zip(rows, outputs, strict=True):
             cache.touched = now
-            out[topic].append(self._encode(frame, hidden[i:i + 1]))
+            out[topic].append(self._encode(frame, output))
 
     def _cache_for(self, frame: Frame) -> KVCache:
         cache = self.caches.get(frame.request)
@@ -282,13 +297,15 @@ class StageAgent:
             return self.coordinator_topic
         return self.topics.activations(stages[self.index + 1].nodes[route[self.index + 1]].node)
 
-    def _encode(self, frame: Frame, out: torch.Tensor) -> bytes:
+    def _encode(self, frame: Frame, out: torch.Tensor | None) -> bytes:
+        """out: [1, T, H] hidden states, [1, V] logits, or None: a prompt chunk before the
+        last on the last stage, which sends nothing."""
         header = Header.of(frame)
+        if out is None:
+            return b""
         if self.model.lm_head is None:
             return frames.encode(Kind.HIDDEN, out.to(self.wire_dtype), header, start=frame.start,
                                  candidates=frame.candidates, prefill=frame.prefill)
-        if frame.candidates == 0:  # a prompt chunk before the last: nothing to sample yet
-            return b""
         ids, logits = top_candidates(out, frame.candidates)
         return frames.encode_candidates(ids, logits, header, start=frame.start)
 

@@ -35,7 +35,7 @@ from node_agent.checkpoint import CheckpointReader
 from node_agent.kv_cache import KVCache
 from node_agent.packed import PackedLinear
 from node_agent.quantize import quantize
-from node_agent.ragged import ATTENTION_NAME, BatchKV
+from node_agent.ragged import ATTENTION_NAME, BatchKV, Segment, causal_mask
 from plant_config.schema import WeightMode
 
 
@@ -153,7 +153,8 @@ class StageModel(nn.Module):
     @torch.inference_mode()
     def prefill(self, x: torch.Tensor, cache: KVCache, start: int, *,
                 logits: bool = True) -> torch.Tensor:
-        """Run T >= 1 new positions [start, start+T) of one request.
+        """Run T >= 1 new positions [start, start+T) of one request: the exact
+        calls an unbatched generate() step makes.
 
         x: [1, T] token ids on the first stage, else [1, T, H] hidden states.
         Returns [1, T, H] hidden states, or on the last stage [1, V] logits of
@@ -161,46 +162,66 @@ class StageModel(nn.Module):
         nothing to sample) it skips the head and returns the hidden states.
         """
         t = x.shape[1]
-        # SDPA's is_causal aligns the triangle top-left, which is only right when
-        # nothing is cached yet; with history the mask must be spelled out.
-        mask = None if start == 0 or t == 1 else _causal_mask(start, t)
-        return self._run(x, cache, torch.arange(start, start + t).unsqueeze(0), mask,
-                         head=logits)
+        h = self._layers(x, cache, torch.arange(start, start + t).unsqueeze(0),
+                         causal_mask(start, t))
+        return self._logits(h[0, -1:]) if self.lm_head is not None and logits else h
 
     @torch.inference_mode()
     def decode(self, x: torch.Tensor, caches: list[KVCache], positions: list[int]
                ) -> torch.Tensor:
-        """One new position for each of B requests, batched.
+        """One new position for each of B requests, as one forward pass.
 
         x: [B, 1] ids or [B, 1, H]; request i is at `positions[i]` with history
         `caches[i]`. Returns [B, 1, H] hidden states, or [B, V] logits.
         """
-        pos = torch.tensor(positions).unsqueeze(1)                                     # [B,1]
-        if len(caches) == 1:  # the exact call an unbatched generate() step makes
-            return self._run(x, caches[0], pos, None)
-        batch = BatchKV(caches)
-        return self._run(x, batch, pos, None, batch_kv=batch)
+        rows = [x[i:i + 1] for i in range(x.shape[0])]
+        return torch.cat([out for out in self.step(rows, caches, positions) if out is not None])
 
-    def _run(self, x: torch.Tensor, cache: KVCache | BatchKV, positions: torch.Tensor,
-             mask: torch.Tensor | None, head: bool = True, **attention_kwargs: object
-             ) -> torch.Tensor:
+    @torch.inference_mode()
+    def step(self, xs: list[torch.Tensor], caches: list[KVCache], starts: list[int],
+             logits: list[bool] | None = None) -> list[torch.Tensor | None]:
+        """New positions of several requests as one forward pass: decode steps at
+        different positions, and prompt chunks, together (node_agent/ragged.py).
+
+        xs[i]: [1, T_i] ids or [1, T_i, H], request i's positions [starts[i],
+        starts[i] + T_i) with history caches[i]. Returns per request [1, T_i, H]
+        hidden states, or on the last stage [1, V] logits of its last position
+        (None where logits[i] is False).
+        """
+        wanted = logits if logits is not None else [True] * len(xs)
+        if len(xs) == 1:
+            alone = self.prefill(xs[0], caches[0], starts[0], logits=wanted[0])
+            return [None if self.lm_head is not None and not wanted[0] else alone]
+        batch = BatchKV([Segment(cache, start, x.shape[1])
+                         for x, cache, start in zip(xs, caches, starts, strict=True)])
+        positions = torch.cat([torch.arange(seg.start, seg.start + seg.length)
+                               for seg in batch.segments]).unsqueeze(0)             # [1,ΣT]
+        h = self._layers(torch.cat(xs, dim=1), batch, positions, None, batch_kv=batch)  # [1,ΣT,H]
+        ends = [offset + seg.length for offset, seg in zip(batch.offsets, batch.segments,
+                                                            strict=True)]
+        if self.lm_head is None:
+            return [h[:, offset:end] for offset, end in zip(batch.offsets, ends, strict=True)]
+        rows = [i for i, want in enumerate(wanted) if want]
+        last = self._logits(h[0, [ends[i] - 1 for i in rows]])                          # [R,V]
+        out: list[torch.Tensor | None] = [None] * len(xs)
+        for row, i in enumerate(rows):
+            out[i] = last[row:row + 1]
+        return out
+
+    def _layers(self, x: torch.Tensor, cache: KVCache | BatchKV, positions: torch.Tensor,
+                mask: torch.Tensor | None, **attention_kwargs: object) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)  # [B,T,H]
         rope = self.rotary_emb(h, positions)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=positions, cache=cache,
                       use_cache=True, position_embeddings=rope, **attention_kwargs)
-        if self.lm_head is None or not head:
-            return h
-        assert self.norm is not None
-        logits: torch.Tensor = self.lm_head(self.norm(h[:, -1:]))[:, -1]               # [B,V]
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, H] last positions' hidden states -> [R, V] fp32 logits."""
+        assert self.norm is not None and self.lm_head is not None
+        logits: torch.Tensor = self.lm_head(self.norm(h))
         return logits.float()
-
-
-def _causal_mask(start: int, t: int) -> torch.Tensor:
-    """[1, 1, T, start+T] bool: query i (at position start+i) sees keys 0..start+i."""
-    keys = torch.arange(start + t)
-    queries = torch.arange(start, start + t).unsqueeze(1)
-    return (keys <= queries)[None, None]
 
 
 def _module_path(root: nn.Module, target: nn.Module) -> str:

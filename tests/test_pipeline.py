@@ -94,6 +94,25 @@ async def test_concurrent_requests_are_batched_and_stay_exact(
         assert stage.metrics["rows"] > 1.5 * stage.metrics["steps"], stage.metrics
 
 
+@pytest.mark.slow
+async def test_a_prompt_arriving_mid_decode_shares_passes_and_stays_exact(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+    """A long prompt's chunks ride in the decode batches of requests already generating
+    (`mixed_steps`), and every request still gets generate()'s tokens."""
+    reqs = [GenerateRequest(id=f"early{i}", max_tokens=MAX_TOKENS, prompt=prompt)
+            for i, prompt in enumerate(["A hydraulic press needs", "Conveyor belts slip when",
+                                        "Before a shift, an operator checks"])]
+    late = GenerateRequest(id="late", prompt=LONG_PROMPT, max_tokens=4)
+    plant = plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["3-stages"], prefill_chunk=32)
+    async with running(plant) as stages:
+        responses = await asyncio.gather(*(_ask_later(plant, r, 0.0) for r in reqs),
+                                         _ask_later(plant, late, 0.3))
+    for request, response in zip([*reqs, late], responses, strict=True):
+        assert response.tokens == reference_tokens(smollm2_dir, request), request.id
+    assert all(stage.metrics["mixed_steps"] > 0 for stage in stages), \
+        [stage.metrics for stage in stages]
+
+
 async def _ask_later(plant: Plant, request: GenerateRequest, delay: float) -> GenerateResponse:
     await asyncio.sleep(delay)
     return await ask(plant, request, client_id=f"gw-{request.id}")

@@ -56,6 +56,38 @@ def test_last_stage_skips_the_head_for_a_prompt_chunk_before_the_last(smollm2_di
     assert stage.prefill(x, KVCache(), 0).shape == (1, stage.config.vocab_size)
 
 
+@pytest.mark.slow
+def test_a_prompt_chunk_and_decode_rows_in_one_pass_equal_each_alone(smollm2_dir: Path) -> None:
+    """One packed pass: a decode row, a prompt chunk after cached history, a fresh prompt.
+    Each request gets the logits it gets alone, and a cache it can go on from."""
+    stage = StageModel(smollm2_dir, 20, 30)
+    torch.manual_seed(0)
+    histories = [torch.randn(1, 9, 576), torch.randn(1, 6, 576), torch.randn(1, 0, 576)]
+    news = [torch.randn(1, 1, 576), torch.randn(1, 5, 576), torch.randn(1, 4, 576)]
+    packed, alone = [KVCache() for _ in news], [KVCache() for _ in news]
+    for history, *caches in zip(histories, packed, alone, strict=True):
+        for cache in caches:
+            if history.shape[1]:
+                stage.prefill(history, cache, 0)
+    starts = [h.shape[1] for h in histories]
+    together = stage.step(news, packed, starts, [True, True, False])
+    for i, (x, cache, start) in enumerate(zip(news, alone, starts, strict=True)):
+        each = stage.prefill(x, cache, start)                                       # [1,V]
+        if i == 2:  # no logits asked for: a prompt chunk before the last
+            assert together[i] is None
+        else:
+            result = together[i]
+            assert result is not None
+            # Packed rows go through a GEMM of more rows: equal to ~1e-6, not bitwise.
+            torch.testing.assert_close(result, each, rtol=1e-4, atol=1e-4)
+    nxt = torch.randn(1, 1, 576)
+    for i, start in enumerate(starts):  # the packed pass left each cache as its own pass did
+        assert packed[i].get_seq_length() == alone[i].get_seq_length() == start + news[i].shape[1]
+        torch.testing.assert_close(stage.prefill(nxt, packed[i], packed[i].get_seq_length()),
+                                   stage.prefill(nxt, alone[i], alone[i].get_seq_length()),
+                                   rtol=1e-4, atol=1e-4)
+
+
 _MEASURE = """
 import json, sys
 from pathlib import Path
