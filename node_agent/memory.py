@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Iterator
 
 # <malloc.h>
@@ -45,6 +46,7 @@ def _mallopt(param: int, value: int) -> None:
             libc.mallopt(param, value)
 
 
+@functools.cache  # find_library may run ldconfig: once per process is enough
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     with contextlib.suppress(OSError):
