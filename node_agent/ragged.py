@@ -26,6 +26,7 @@ of that request's positions, as an unbatched step does.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ class BatchKV:
     def __init__(self, segments: list[Segment]) -> None:
         self.segments = segments
         # Where each segment's positions sit on the packed axis.
-        self.offsets = [sum(s.length for s in segments[:i]) for i in range(len(segments))]
+        self.offsets = [0, *itertools.accumulate(s.length for s in segments[:-1])]
         self._current: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
