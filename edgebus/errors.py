@@ -23,6 +23,10 @@ class CheckpointError(EdgebusError):
     """A model directory lacks files or tensors that a stage needs."""
 
 
+class EngineError(EdgebusError):
+    """A stage engine cannot run this model, weight mode or device here."""
+
+
 class FrameError(EdgebusError):
     """An activation frame could not be decoded (garbage, truncated, wrong version...)."""
 

@@ -128,6 +128,9 @@ class AgentStatus(BaseModel):
     last_error_ts: float | None = None
     # Counters an operator can chart in MQTT Explorer, e.g. compute_s, rows, in_flight.
     metrics: dict[str, float] = Field(default_factory=dict)
+    # A stage's engine as it runs: engine, weights, device, threads and the kernel
+    # options it measured and chose on this box (node_agent/engines/).
+    engine: dict[str, str | int | float] | None = None
 
 
 class PlanStage(BaseModel):

@@ -11,6 +11,13 @@ changes dtype is converted block by block as it is read, and a large matrix
 can be read a range of rows at a time, so loading never holds much more than
 the stage's weights.
 
+A checkpoint imported with `edgebus model import-gguf --keep-quantized` holds
+some matrices as GGUF blocks (node_agent/blockwise.py): codes, scales, zero
+points and minimums under `{name}.codes` etc., described in the file's
+metadata under BLOCKS_METADATA. They read as one tensor `name`:
+`CheckpointReader.blocks` hands out the blocks (the ONNX Runtime engine runs
+them as they are), every other read dequantizes them to float.
+
 Checkpoint names are not always the model's: a DeepSeek-V3 checkpoint stores
 each routed expert as its own `mlp.experts.{e}.gate_proj.weight`, while the
 transformers module holds one fused `mlp.experts.gate_up_proj` [E, 2I, H].
@@ -39,6 +46,7 @@ from transformers.core_model_loading import (
 )
 
 from edgebus.errors import CheckpointError
+from node_agent.blockwise import BlockQuantized
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,6 +54,11 @@ INDEX_FILE = "model.safetensors.index.json"
 # transient memory of loading, small beside any layer; reads are sequential,
 # so smaller blocks cost no speed.
 READ_BLOCK_BYTES = 2**20
+# safetensors metadata key of a kept-quantized checkpoint: JSON {name: {"bits", "block",
+# "source"}} for each matrix stored as blocks.
+BLOCKS_METADATA = "edgebus.blocks"
+# The tensors that hold one block-quantized matrix, by suffix; the last two are optional.
+BLOCK_PARTS = ("codes", "scales", "zeros", "minimums")
 # The safetensors header's dtype names.
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
@@ -65,8 +78,11 @@ class Shard:
         except (ValueError, UnicodeDecodeError) as exc:
             self._file.close()
             raise CheckpointError(f"{path} is not a safetensors file ({exc})") from None
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None) or {}
         self.header = header
+        # name -> {"bits", "block", "source"} of the matrices stored as blocks
+        self.blocks: dict[str, dict[str, object]] = json.loads(
+            str(metadata.get(BLOCKS_METADATA, "{}")))
         self._data = 8 + size
 
     def __enter__(self) -> Shard:
@@ -79,12 +95,26 @@ class Shard:
         self._file.close()
 
     def keys(self) -> list[str]:
-        return list(self.header)
+        """Tensor names, a block-quantized matrix under its own name (not its parts')."""
+        parts = {f"{name}.{part}" for name in self.blocks for part in BLOCK_PARTS}
+        return [key for key in self.header if key not in parts] + list(self.blocks)
+
+    def read_blocks(self, name: str) -> BlockQuantized:
+        info = self.blocks[name]
+        arrays = {part: self.read(f"{name}.{part}").numpy() for part in BLOCK_PARTS
+                  if f"{name}.{part}" in self.header}
+        return BlockQuantized(arrays["codes"], arrays["scales"], arrays.get("zeros"),
+                              arrays.get("minimums"), int(info["bits"]),  # type: ignore[call-overload]
+                              int(info["block"]), str(info["source"]))  # type: ignore[call-overload]
 
     def read(self, name: str, dtype: torch.dtype | None = None,
              rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `name`, or its rows [first, end) (along dim 0); a floating-point
-        one converted to `dtype`."""
+        one converted to `dtype`. A block-quantized matrix is dequantized."""
+        if name in self.blocks:
+            blocks = self.read_blocks(name)
+            picked = blocks.dequantize(slice(*rows) if rows is not None else slice(None))
+            return torch.from_numpy(picked).to(dtype or torch.float32)
         entry = self.header[name]
         stored = _DTYPES[str(entry["dtype"])]
         shape: list[int] = list(entry["shape"])  # type: ignore[call-overload]
@@ -118,8 +148,16 @@ def tensor_locations(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name in the checkpoint to the file that holds it."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / shard for name, shard in weight_map.items()}
+        # Only the index is read: a stage opens no shard it takes nothing from. A sharded
+        # kept-quantized checkpoint lists its blocks in the index's metadata too.
+        content = json.loads(index.read_text())
+        weight_map: dict[str, str] = content["weight_map"]
+        blocks = (content.get("metadata") or {}).get(BLOCKS_METADATA) or {}
+        parts = {f"{name}.{part}" for name in blocks for part in BLOCK_PARTS}
+        locations = {name: model_dir / shard for name, shard in weight_map.items()
+                     if name not in parts}
+        locations.update({name: model_dir / weight_map[f"{name}.codes"] for name in blocks})
+        return locations
     single = model_dir / SINGLE_FILE
     if single.is_file():
         with Shard(single) as shard:
@@ -170,7 +208,11 @@ class CheckpointReader:
 
     def _read(self, key: str, dtype: torch.dtype | None,
               rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Checkpoint tensor `key` (or its rows), from its shard, opened on first use."""
+        """Checkpoint tensor `key` (or its rows), from its shard."""
+        return self._shard(key).read(key, dtype, rows)
+
+    def _shard(self, key: str) -> Shard:
+        """The shard holding checkpoint tensor `key`, opened on first use."""
         path = self.locations.get(key)
         if path is None:
             raise CheckpointError(f"tensor {key!r} is not in the checkpoint at "
@@ -180,7 +222,15 @@ class CheckpointReader:
             if not path.is_file():
                 raise CheckpointError(f"shard {path} named in {INDEX_FILE} is missing")
             self._shards[path] = Shard(path)
-        return self._shards[path].read(key, dtype, rows)
+        return self._shards[path]
+
+    def blocks(self, name: str) -> BlockQuantized | None:
+        """Model tensor `name` as stored blocks, or None if it is stored as floats."""
+        sources = self._sources.get(name)
+        if not sources or len(sources) != 1:
+            return None
+        shard = self._shard(sources[0])
+        return shard.read_blocks(sources[0]) if sources[0] in shard.blocks else None
 
     def rows(self, name: str, first: int, end: int,
              dtype: torch.dtype | None = None) -> torch.Tensor:

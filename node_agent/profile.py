@@ -1,6 +1,6 @@
 """The planner's cost model of a model, measured on this machine: `edgebus plan`'s profile.
 
-Time: the whole model runs as one fp32 stage (`StageModel`, the code path a
+Time: the whole model runs as one fp32 stage (`TorchEngine`, the code path a
 stage runs in production), and forward hooks time each decoder layer, the
 embedding and the final norm + LM head separately, for a PREFILL_POSITIONS
 prefill and for one decode step after it. Each time is the minimum over the
@@ -10,7 +10,7 @@ threads on cores another process also used, decode measured ~10x slower
 (OpenMP threads waiting for each other), one thread was undisturbed.
 
 Memory: weight bytes per part and weight mode come from the model's shapes
-(`quantize.stored_bytes` on a meta-device skeleton, nothing loaded), and the
+(`weight_sizes.stored_bytes` on a meta-device skeleton, nothing loaded), and the
 per-process baseline is the peak resident memory of a fresh Python that
 imports what a stage agent imports and builds the model on the meta device
 (measured in a child process: the caller's own memory, a test session's
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
@@ -43,8 +43,9 @@ from edgebus.processes import idle_agent_rss
 from node_agent import packed
 from node_agent.checkpoint import tensor_locations
 from node_agent.kv_cache import KVCache
-from node_agent.quantize import WEIGHT_MODES, stored_bytes
+from node_agent.weight_sizes import stored_bytes
 from plant_config.planner import PREFILL_POSITIONS, ModelCosts, PartBytes, PartCost
+from plant_config.schema import WeightMode
 
 PROFILE_FILE = "edgebus-profile.json"
 # Untimed first round: it pays for allocator growth and oneDNN's kernel choice per shape.
@@ -100,10 +101,10 @@ def measure(model_dir: Path, *, rounds: int = ROUNDS) -> Measured:
 
 
 def _measure(model_dir: Path, rounds: int, baseline: int) -> Measured:
-    from node_agent.stage_model import StageModel
+    from node_agent.engines.torch_engine import TorchEngine
 
     num_layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    model = StageModel(model_dir, 0, num_layers)
+    model = TorchEngine(model_dir, 0, num_layers)
     assert model.embed_tokens is not None and model.norm is not None and model.lm_head is not None
     parts: dict[str | int, tuple[nn.Module, nn.Module]] = {
         index: (layer, layer) for index, layer in enumerate(model.layers)}
@@ -139,11 +140,12 @@ def weight_sizes(model_dir: Path) -> tuple[tuple[PartBytes, ...], PartBytes, Par
     decoder = skeleton.get_decoder()
     head = skeleton.get_output_embeddings()
 
-    def sizes(module: nn.Module) -> PartBytes:
-        return PartBytes(**{mode: stored_bytes(module, mode) for mode in WEIGHT_MODES})
+    def sizes(module: nn.Module, edge: bool = False) -> PartBytes:
+        return PartBytes(**{mode: stored_bytes(module, mode, edge=edge)
+                            for mode in get_args(WeightMode)})
 
     return (tuple(sizes(layer) for layer in decoder.layers), sizes(decoder.embed_tokens),
-            sizes(nn.ModuleList([decoder.norm, head])),
+            sizes(nn.ModuleList([decoder.norm, head]), edge=True),
             head.weight is decoder.embed_tokens.weight)
 
 

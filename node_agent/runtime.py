@@ -51,6 +51,7 @@ class StatusPayload:
     stage: int | None = None
     layers: tuple[int, int] | None = None
     metrics: Callable[[], dict[str, float]] | None = None
+    engine: dict[str, str | int | float] | None = None
     last_error: str | None = None
     last_error_ts: float | None = None
     _previous: tuple[float, dict[str, float]] | None = field(default=None, init=False)
@@ -65,7 +66,7 @@ class StatusPayload:
                            host=socket.gethostname(), version=VERSION, bdseq=bdseq,
                            rss_bytes=rss_bytes(), uptime_s=round(now - _STARTED, 1),
                            last_error=self.last_error, last_error_ts=self.last_error_ts,
-                           metrics=metrics).model_dump_json().encode()
+                           metrics=metrics, engine=self.engine).model_dump_json().encode()
 
     def _rates(self, now: float, metrics: dict[str, float]) -> dict[str, float]:
         """RATES over the time since the previous online payload (none for the first)."""
@@ -88,9 +89,11 @@ def rss_bytes() -> int | None:
 
 def presence(topics: Topics, agent_id: str, role: Literal["stage", "coordinator"], *,
              stage: int | None = None, layers: tuple[int, int] | None = None,
-             metrics: Callable[[], dict[str, float]] | None = None) -> Presence:
+             metrics: Callable[[], dict[str, float]] | None = None,
+             engine: dict[str, str | int | float] | None = None) -> Presence:
     """Birth/death payloads for `{root}/status/{agent_id}`."""
-    return Presence(topics.status(agent_id), StatusPayload(agent_id, role, stage, layers, metrics))
+    return Presence(topics.status(agent_id),
+                    StatusPayload(agent_id, role, stage, layers, metrics, engine))
 
 
 async def publish_event(bus: BusClient, topics: Topics, event: Event) -> None:

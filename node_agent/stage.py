@@ -5,7 +5,7 @@
 
 Continuous batching: the decode frames of one message, from whatever requests
 at whatever positions (a group, formed by the coordinator), run as one batched
-forward pass (`StageModel.decode`), and all their outputs leave as one
+forward pass (`StageEngine.step`), and all their outputs leave as one
 message. Prompt chunks run one per turn between those batches, so a long
 prompt never holds up other requests' tokens for more than one chunk.
 
@@ -41,11 +41,11 @@ from edgebus.client import BusClient
 from edgebus.errors import FrameError
 from edgebus.frames import Frame, Header, Kind
 from edgebus.messages import Event
+from node_agent.engines import StageEngine, load_engine
 from node_agent.kv_cache import KVCache, kv_bytes_per_token
 from node_agent.memory import return_freed_memory
 from node_agent.runtime import presence, publish_event, run_agent, serve_until
 from node_agent.sampling import top_candidates
-from node_agent.stage_model import StageModel
 from plant_config import Plant
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class _Refused(FrameError):
 class StageAgent:
     """Runs one stage of the plant's pipeline, as one of its replica nodes."""
 
-    def __init__(self, plant: Plant, node_id: str, model: StageModel | None = None) -> None:
+    def __init__(self, plant: Plant, node_id: str, model: StageEngine | None = None) -> None:
         self.plant = plant
         self.node_id = node_id
         self.pipeline = plant.pipeline
@@ -81,8 +81,9 @@ class StageAgent:
         spec = plant.node(node_id)
         topics = plant.topics
         self.topics = topics
-        self.model = model if model is not None else StageModel(plant.model, *spec.layers,
-                                                                weights=spec.weights)
+        self.model = model if model is not None else load_engine(
+            plant.model, *spec.layers, engine=spec.engine, weights=spec.weights,
+            device=spec.device)
         self.coordinator_topic = topics.activations(plant.coordinator.id)
         self.wire_dtype = _WIRE_DTYPES[plant.wire_dtype]
         self.kv_budget = spec.kv_budget_mb * 2**20
@@ -100,7 +101,7 @@ class StageAgent:
             plant.endpoint_for(node_id), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
             presence=presence(topics, node_id, "stage", stage=self.index, layers=spec.layers,
-                              metrics=self._metrics))
+                              metrics=self._metrics, engine=self.model.describe()))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{node_id}")
         self._background: set[asyncio.Task[None]] = set()
 
@@ -131,7 +132,7 @@ class StageAgent:
     async def _work(self) -> None:
         """Run each message's decode rows as one batch, a waiting prompt chunk in it.
 
-        The chunk shares the batch's forward pass (StageModel.step): the
+        The chunk shares the batch's forward pass (StageEngine.step): the
         weights are read once for both, and other requests' decode steps wait
         for at most one chunk's compute.
 
@@ -303,7 +304,7 @@ class StageAgent:
         header = Header.of(frame)
         if out is None:
             return b""
-        if self.model.lm_head is None:
+        if not self.model.slice.has_head:
             return frames.encode(Kind.HIDDEN, out.to(self.wire_dtype), header, start=frame.start,
                                  candidates=frame.candidates, prefill=frame.prefill)
         ids, logits = top_candidates(out, frame.candidates)
@@ -311,7 +312,7 @@ class StageAgent:
 
     def _check_input(self, frame: Frame) -> torch.Tensor:
         """The frame's tensor, or FrameError if it cannot be this stage's input."""
-        first = self.model.embed_tokens is not None
+        first = self.model.slice.has_embedding
         expected = Kind.TOKENS if first else Kind.HIDDEN
         if frame.kind != expected:
             raise FrameError(f"stage {self.index} takes {expected.name} frames, got "
@@ -356,8 +357,8 @@ def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:
 
     async def main(stop: asyncio.Event) -> None:
         agent = StageAgent(plant, node_id)
-        log.info("stage %s holds layers [%d, %d): %.1f MB of parameters", node_id,
-                 *spec.layers, agent.model.param_bytes / 1e6)
+        log.info("stage %s holds layers [%d, %d): %.1f MB of parameters, run by %s", node_id,
+                 *spec.layers, agent.model.param_bytes / 1e6, agent.model.describe())
         await agent.serve(stop)
 
     run_agent(main)

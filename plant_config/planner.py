@@ -54,6 +54,7 @@ class PartBytes:
     fp32: int
     bf16: int
     int8: int
+    int4: int
 
     def __getitem__(self, mode: WeightMode) -> int:
         value: int = getattr(self, mode)

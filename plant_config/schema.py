@@ -33,8 +33,31 @@ from plant_config.layout import layout_problems
 from plant_config.problems import Problem, Problems
 
 MqttProtocol = Literal["3.1.1", "5"]
-# How a stage keeps its weights (node_agent/quantize.py implements them).
-WeightMode = Literal["fp32", "bf16", "int8"]
+# How a stage keeps its weights: docs/weight-modes.md.
+WeightMode = Literal["fp32", "bf16", "int8", "int4"]
+# What runs a stage's layers (node_agent/engines/); "auto" picks by weight mode.
+EngineName = Literal["auto", "torch", "onnxruntime"]
+# Where a stage computes. cuda: ONNX Runtime's CUDA execution provider.
+Device = Literal["cpu", "cuda"]
+# The weight modes each engine runs. torch has no 4-bit kernel worth running
+# (docs/weight-modes.md); ONNX Runtime has no fast bf16 one on CPUs.
+ENGINE_MODES: dict[str, tuple[WeightMode, ...]] = {
+    "torch": ("fp32", "bf16", "int8"),
+    "onnxruntime": ("fp32", "int8", "int4"),
+}
+
+
+def resolve_engine(engine: EngineName, weights: WeightMode) -> str:
+    """The engine `engine: auto` means for `weights`: torch keeps fp32 token-exact against
+    transformers' generate; 4- and 8-bit weights run fastest in onnxruntime.
+
+    Per weight mode, not per box: two engines quantize and sum differently, so
+    replicas of a stage on different boxes must not pick differently, or a
+    replayed request could answer differently (docs/failover.md).
+    """
+    if engine != "auto":
+        return engine
+    return "torch" if weights in ("fp32", "bf16") else "onnxruntime"
 
 EMBEDDED = "embedded"
 # scheme -> (TLS, default port): the IANA ports for MQTT and MQTT over TLS.
@@ -197,8 +220,12 @@ class StageSpec(_Section):
     # and a Pi 5 with 8 GB keeps most of its memory for weights.
     kv_budget_mb: PositiveInt = 512
     # fp32 by default: only fp32 is token-exact against transformers' generate
-    # (docs/weight-modes.md has what bf16 and int8 save and cost).
+    # (docs/weight-modes.md has what bf16, int8 and int4 save and cost).
     weights: WeightMode = "fp32"
+    # auto: torch for fp32 and bf16 (the exact reference), onnxruntime for int8
+    # and int4 (its 4- and 8-bit kernels are 2-4x torch's): node_agent/engines/.
+    engine: EngineName = "auto"
+    device: Device = "cpu"
     # A name from the plant's `brokers:` (a line broker bridged to `broker`);
     # None: the node connects to the plant's `broker`.
     broker: str | None = None
@@ -218,6 +245,19 @@ class StageSpec(_Section):
             raise ValueError(f"[{first}, {stop}] holds no layer — write [first, last + 1], "
                              "e.g. [0, 10] for layers 0-9")
         return layers
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> StageSpec:
+        engine = resolve_engine(self.engine, self.weights)
+        if self.weights not in ENGINE_MODES[engine]:
+            runs = [name for name, modes in ENGINE_MODES.items() if self.weights in modes]
+            raise ValueError(f"engine {engine} does not run {self.weights} weights: use "
+                             f"`engine: {runs[0]}` (or `auto`), or weights "
+                             f"{' / '.join(ENGINE_MODES[engine])}")
+        if self.device == "cuda" and engine != "onnxruntime":
+            raise ValueError("device cuda runs on engine onnxruntime (its CUDA execution "
+                             "provider); the torch engine runs on the CPU only")
+        return self
 
 
 class BoxSpec(_Section):

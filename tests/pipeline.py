@@ -23,10 +23,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from edgebus.ask import ask
 from edgebus.messages import GenerateRequest, GenerateResponse
 from node_agent.coordinator import Coordinator
+from node_agent.engines import StageEngine, load_engine
 from node_agent.stage import StageAgent
-from node_agent.stage_model import StageModel
 from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
-from plant_config.schema import WeightMode
+from plant_config.schema import EngineName, WeightMode
 
 READY_TIMEOUT_S = 30.0
 
@@ -44,9 +44,9 @@ def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int,
 
 
 @functools.cache
-def stage_model(model_dir: Path, first: int, end: int,
-                weights: WeightMode = "fp32") -> StageModel:
-    return StageModel(model_dir, first, end, weights=weights)
+def stage_model(model_dir: Path, first: int, end: int, weights: WeightMode = "fp32",
+                engine: EngineName = "auto") -> StageEngine:
+    return load_engine(model_dir, first, end, engine=engine, weights=weights)
 
 
 @functools.cache
@@ -58,7 +58,8 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
     """Start every agent of `plant` as a task; yield the stages once the pipeline is ready."""
     stop = asyncio.Event()
-    stages = [StageAgent(plant, s.node, model=stage_model(plant.model, *s.layers, s.weights))
+    stages = [StageAgent(plant, s.node,
+                         model=stage_model(plant.model, *s.layers, s.weights, s.engine))
               for s in plant.stages]
     coordinator = Coordinator(plant, tokenizer=tokenizer(plant.model))
     tasks = [asyncio.create_task(agent.serve(stop)) for agent in [*stages, coordinator]]

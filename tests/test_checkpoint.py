@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 import node_agent.checkpoint
 from edgebus.errors import CheckpointError
 from node_agent.checkpoint import INDEX_FILE
-from node_agent.stage_model import StageModel
+from node_agent.engines.torch_engine import TorchEngine
 
 # Small enough that one tiny DeepSeek-V3 layer (~400 KB: 12 experts of 3 matrices
 # each) spans several shards, so a stage needs some shards of each of its layers.
@@ -53,7 +53,7 @@ def test_stage_opens_only_its_shards(sharded_dir: Path, deepseek_dir: Path,
             super().__init__(path)
 
     monkeypatch.setattr(node_agent.checkpoint, "Shard", RecordingShard)
-    stage = StageModel(sharded_dir, first, end)
+    stage = TorchEngine(sharded_dir, first, end)
     assert sorted(opened) == sorted(needed)  # each needed shard opened once, nothing else
 
     # And the experts fused from per-expert tensors across shards are the reference's.
@@ -68,4 +68,4 @@ def test_a_missing_shard_the_stage_needs_is_named(sharded_dir: Path) -> None:
     shard = sorted(_shards_of(sharded_dir, (f"model.layers.{first}.",)))[0]
     (sharded_dir / shard).unlink()
     with pytest.raises(CheckpointError, match=shard):
-        StageModel(sharded_dir, first, end)
+        TorchEngine(sharded_dir, first, end)

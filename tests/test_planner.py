@@ -18,8 +18,8 @@ from tiny_models import build_tiny
 
 from edgebus.cli import main
 from edgebus.errors import PlantConfigError
+from node_agent.engines.torch_engine import TorchEngine
 from node_agent.profile import PROFILE_FILE, model_costs
-from node_agent.stage_model import StageModel
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
 from plant_config.layout import LayerRange, fit_problems, layout_problems
@@ -43,7 +43,8 @@ def hand_costs(decode_ms: list[float], layer_mib: list[int], *, embedding_ms: fl
                baseline_mib: int = 0, tied: bool = False) -> ModelCosts:
     """A made-up model: decode cost only, bf16 half and int8 a quarter of the fp32 bytes."""
     def part_bytes(mib: int) -> PartBytes:
-        return PartBytes(fp32=mib * MIB, bf16=mib * MIB // 2, int8=mib * MIB // 4)
+        return PartBytes(fp32=mib * MIB, bf16=mib * MIB // 2, int8=mib * MIB // 4,
+                         int4=mib * MIB // 6)
 
     return ModelCosts(layers=tuple(PartCost(0.0, ms) for ms in decode_ms),
                       embedding=PartCost(0.0, embedding_ms), head=PartCost(0.0, head_ms),
@@ -286,7 +287,7 @@ def test_weight_bytes_are_what_a_loaded_stage_holds(
     costs, _, _ = model_costs(model_dir)
     for layers in [(0, 2), (2, 6), (0, 6)]:
         for mode in ("fp32", "bf16", "int8"):
-            stage = StageModel(model_dir, *layers, weights=mode)
+            stage = TorchEngine(model_dir, *layers, weights=mode)
             assert costs.weight_bytes(layers, mode) == stage.param_bytes, (layers, mode)
 
 

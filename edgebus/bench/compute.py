@@ -2,7 +2,7 @@
 
     python -m edgebus.bench.compute [--out docs/stage-compute.md]
 
-The whole demo model runs as one stage (`StageModel`), decode steps at batch 1
+The whole demo model runs as one stage (`TorchEngine`), decode steps at batch 1
 and 8 after a 64-token prompt, with fp32 as the baseline of the same run.
 Agreement is how many of 32 greedy tokens from a fixed prompt come out as
 fp32's before the first that differs (after it the contexts differ). The
@@ -24,8 +24,8 @@ from transformers import AutoConfig
 
 from edgebus.model_import import ensure_demo_model
 from node_agent import packed
+from node_agent.engines.torch_engine import TorchEngine
 from node_agent.kv_cache import KVCache
-from node_agent.stage_model import StageModel
 
 PROMPT_TOKENS = 64      # a short chat's worth of history per request
 WARMUP_STEPS = 3        # first calls pay for allocation and lazy initialisation
@@ -34,25 +34,25 @@ AGREEMENT_TOKENS = 32
 BATCHES = (1, 8)
 
 
-def _plain_fp32(model_dir: Path, layers: int) -> StageModel:
+def _plain_fp32(model_dir: Path, layers: int) -> TorchEngine:
     # As stages ran before packing: F.linear on plain weights (MKL packs them per call).
     with mock.patch.object(packed, "available", return_value=False):
-        return StageModel(model_dir, 0, layers)
+        return TorchEngine(model_dir, 0, layers)
 
 
 # name -> build(model_dir, number of layers); the first is the reference.
-VARIANTS: dict[str, Callable[[Path, int], StageModel]] = {
+VARIANTS: dict[str, Callable[[Path, int], TorchEngine]] = {
     "fp32, weights packed for oneDNN (the default)":
-        lambda model_dir, layers: StageModel(model_dir, 0, layers),
+        lambda model_dir, layers: TorchEngine(model_dir, 0, layers),
     "fp32, plain weights (F.linear)": _plain_fp32,
     "bf16 weights (`weights: bf16`)":
-        lambda model_dir, layers: StageModel(model_dir, 0, layers, weights="bf16"),
+        lambda model_dir, layers: TorchEngine(model_dir, 0, layers, weights="bf16"),
     "int8 weights (`weights: int8`)":
-        lambda model_dir, layers: StageModel(model_dir, 0, layers, weights="int8"),
+        lambda model_dir, layers: TorchEngine(model_dir, 0, layers, weights="int8"),
 }
 
 
-def step_ms(model: StageModel, batch: int) -> float:
+def step_ms(model: TorchEngine, batch: int) -> float:
     """Mean milliseconds of one batched decode step."""
     generator = torch.Generator().manual_seed(0)
     caches = [KVCache() for _ in range(batch)]
@@ -66,7 +66,7 @@ def step_ms(model: StageModel, batch: int) -> float:
     return (time.perf_counter() - started) / TIMED_STEPS * 1e3
 
 
-def greedy(model: StageModel) -> list[int]:
+def greedy(model: TorchEngine) -> list[int]:
     cache = KVCache()
     ids = torch.arange(100, 100 + PROMPT_TOKENS).unsqueeze(0)
     logits = model.prefill(ids, cache, 0)

@@ -300,7 +300,7 @@ def _memory(result: BenchResult) -> str:
             "libtorch, counted in RSS though shared between processes), and the working set "
             "of its largest prefill chunk (~6 MiB for 128 positions), which the heap keeps "
             "for the next one ([architecture.md](architecture.md)). Measured in one process "
-            "with `StageModel`; the agent's MQTT client and frame buffers add the rest.")
+            "with `TorchEngine`; the agent's MQTT client and frame buffers add the rest.")
 
 
 def _boxes(result: BenchResult) -> str:

@@ -2,7 +2,7 @@
 
     python -m edgebus.bench.weights [--out docs/weight-modes.md]
 
-The whole demo model (SmolLM2-135M-Instruct) runs as one stage (`StageModel`)
+The whole demo model (SmolLM2-135M-Instruct) runs as one stage (`TorchEngine`)
 in each mode, on 2 torch threads:
 
 - decode tokens/s of a single stream after a 64-token prompt, the modes taking
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from edgebus.model_import import ensure_demo_model
+from node_agent.engines.torch_engine import TorchEngine
+from node_agent.engines.torch_weights import WEIGHT_MODES
 from node_agent.kv_cache import KVCache
-from node_agent.quantize import WEIGHT_MODES
-from node_agent.stage_model import StageModel
 from plant_config.schema import WeightMode
 
 THREADS = 2             # the cores of this box; a stage on its own box uses all of them
@@ -83,7 +83,7 @@ _RSS_CHILD = """
 import json, sys
 from pathlib import Path
 import torch
-from node_agent.stage_model import StageModel
+from node_agent.engines.torch_engine import TorchEngine
 
 def rss():
     for line in open("/proc/self/status"):
@@ -91,9 +91,9 @@ def rss():
             return int(line.split()[1]) * 1024
 
 model_dir, weights, first, end = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-StageModel(model_dir, 1, 2, weights=weights)  # pay for imports and lazy initialisation first
+TorchEngine(model_dir, 1, 2, weights=weights)  # pay for imports and lazy initialisation first
 base = rss()
-stage = StageModel(model_dir, first, end, weights=weights)
+stage = TorchEngine(model_dir, first, end, weights=weights)
 # Every weight resident (fp32 ones are memory-mapped). max, not sum: an int8 sum
 # makes int64 temporaries that would count as the stage's memory.
 assert all(bool(p.max().isfinite()) for p in stage.parameters())
@@ -120,7 +120,7 @@ def stage_rss(model_dir: Path, weights: WeightMode, first: int, end: int) -> int
     return grown
 
 
-def decode_tokens_per_s(models: dict[WeightMode, StageModel]) -> dict[WeightMode, float]:
+def decode_tokens_per_s(models: dict[WeightMode, TorchEngine]) -> dict[WeightMode, float]:
     """Best single-stream decode rate of each model over interleaved rounds."""
     caches = {mode: KVCache() for mode in models}
     positions = dict.fromkeys(models, PROMPT_TOKENS)
@@ -143,7 +143,7 @@ def decode_tokens_per_s(models: dict[WeightMode, StageModel]) -> dict[WeightMode
     return best
 
 
-def greedy(model: StageModel, prompt: list[int]) -> list[int]:
+def greedy(model: TorchEngine, prompt: list[int]) -> list[int]:
     cache = KVCache()
     logits = model.prefill(torch.tensor([prompt]), cache, 0)                          # [1,V]
     tokens: list[int] = []
@@ -153,7 +153,7 @@ def greedy(model: StageModel, prompt: list[int]) -> list[int]:
     return tokens
 
 
-def perplexity(model: StageModel, ids: list[int]) -> float:
+def perplexity(model: TorchEngine, ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ids[1:], each predicted from the ones before it."""
     cache = KVCache()
     logits = model.prefill(torch.tensor([ids[:1]]), cache, 0)                         # [1,V]
@@ -176,7 +176,7 @@ def measure(model_dir: Path) -> list[ModeResult]:
     prompts = [_chat_ids(tokenizer, p) for p in AGREEMENT_PROMPTS]
     text_ids: list[int] = tokenizer(PERPLEXITY_TEXT)["input_ids"]
     layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    models = {mode: StageModel(model_dir, 0, layers, weights=mode) for mode in WEIGHT_MODES}
+    models = {mode: TorchEngine(model_dir, 0, layers, weights=mode) for mode in WEIGHT_MODES}
     speed = decode_tokens_per_s(models)
     reference = [greedy(models["fp32"], prompt) for prompt in prompts]
     results = []
@@ -239,7 +239,7 @@ def main() -> None:
         "tokens each, compared position by position with fp32's.\n"
         f"- perplexity: a fixed {text_tokens}-token English text built into the benchmark, "
         "every token scored by a decode step.\n\n"
-        "How each mode works (`node_agent/quantize.py`): bf16 stores every Linear, the "
+        "How each mode works (`node_agent/engines/torch_weights.py`): bf16 stores every Linear, the "
         "embedding and each MoE expert's matrices in bf16 and runs those matmuls in bf16; "
         "int8 stores them as int8 with one bf16 scale per output row and runs torch's "
         "`aten._weight_int8pack_mm` on bf16 activations. Norms, the MoE router and the KV "

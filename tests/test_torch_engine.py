@@ -13,8 +13,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from edgebus.errors import CheckpointError
+from node_agent.engines.torch_engine import TorchEngine
 from node_agent.kv_cache import KVCache
-from node_agent.stage_model import StageModel
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
@@ -42,7 +42,7 @@ def _checkpoint_bytes(model_dir: Path, prefixes: tuple[str, ...]) -> int:
 ])
 def test_stage_holds_only_its_own_parameters(smollm2_dir: Path, first: int, end: int,
                                              extra: tuple[str, ...]) -> None:
-    stage = StageModel(smollm2_dir, first, end)
+    stage = TorchEngine(smollm2_dir, first, end)
     own = tuple(f"model.layers.{i}." for i in range(first, end)) + extra
     assert stage.param_bytes == _checkpoint_bytes(smollm2_dir, own)
     assert stage.param_bytes < 0.5 * _checkpoint_bytes(smollm2_dir, ("",))
@@ -50,7 +50,7 @@ def test_stage_holds_only_its_own_parameters(smollm2_dir: Path, first: int, end:
 
 @pytest.mark.slow
 def test_last_stage_skips_the_head_for_a_prompt_chunk_before_the_last(smollm2_dir: Path) -> None:
-    stage = StageModel(smollm2_dir, 20, 30)
+    stage = TorchEngine(smollm2_dir, 20, 30)
     x = torch.randn(1, 8, 576)                                                       # [1,T,H]
     assert stage.prefill(x, KVCache(), 0, logits=False).shape == (1, 8, 576)
     assert stage.prefill(x, KVCache(), 0).shape == (1, stage.config.vocab_size)
@@ -60,7 +60,7 @@ def test_last_stage_skips_the_head_for_a_prompt_chunk_before_the_last(smollm2_di
 def test_a_prompt_chunk_and_decode_rows_in_one_pass_equal_each_alone(smollm2_dir: Path) -> None:
     """One packed pass: a decode row, a prompt chunk after cached history, a fresh prompt.
     Each request gets the logits it gets alone, and a cache it can go on from."""
-    stage = StageModel(smollm2_dir, 20, 30)
+    stage = TorchEngine(smollm2_dir, 20, 30)
     torch.manual_seed(0)
     histories = [torch.randn(1, 9, 576), torch.randn(1, 6, 576), torch.randn(1, 0, 576)]
     news = [torch.randn(1, 1, 576), torch.randn(1, 5, 576), torch.randn(1, 4, 576)]
@@ -91,7 +91,7 @@ def test_a_prompt_chunk_and_decode_rows_in_one_pass_equal_each_alone(smollm2_dir
 _MEASURE = """
 import json, sys
 from pathlib import Path
-from node_agent.stage_model import StageModel
+from node_agent.engines.torch_engine import TorchEngine
 
 def rss():
     for line in open("/proc/self/status"):
@@ -99,9 +99,9 @@ def rss():
             return int(line.split()[1]) * 1024
 
 model_dir, weights = Path(sys.argv[1]), sys.argv[2]
-StageModel(model_dir, 1, 2, weights=weights)  # pay for imports and lazy initialisation first
+TorchEngine(model_dir, 1, 2, weights=weights)  # pay for imports and lazy initialisation first
 base = rss()
-stage = StageModel(model_dir, 10, 20, weights=weights)
+stage = TorchEngine(model_dir, 10, 20, weights=weights)
 # Touch every weight: RSS must count them, however they were loaded.
 # max, not sum: an int8 sum makes int64 temporaries, whose leftovers in the heap
 # moved the int8 figure by up to 25 MB from run to run.
@@ -140,7 +140,7 @@ def test_int8_stage_resident_memory_is_at_most_035_of_fp32(smollm2_dir: Path) ->
 
 @pytest.mark.slow
 def test_rotary_buffers_match_a_fully_loaded_model(smollm2_dir: Path) -> None:
-    stage = StageModel(smollm2_dir, 20, 30)
+    stage = TorchEngine(smollm2_dir, 20, 30)
     full = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     assert torch.equal(stage.rotary_emb.inv_freq, full.model.rotary_emb.inv_freq)
     assert stage.rotary_emb.attention_scaling == full.model.rotary_emb.attention_scaling
@@ -151,4 +151,4 @@ def test_missing_weights_say_how_to_fix(tmp_path: Path) -> None:
         "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8,
         "intermediate_size": 16, "num_attention_heads": 2, "vocab_size": 10}))
     with pytest.raises(CheckpointError, match="import-gguf"):
-        StageModel(tmp_path, 0, 1)
+        TorchEngine(tmp_path, 0, 1)

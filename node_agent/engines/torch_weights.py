@@ -1,4 +1,4 @@
-"""Weight modes of a stage: turn a loaded stage's weight matrices into fp32, bf16 or int8.
+"""The torch engine's weight modes: turn a loaded stage's weight matrices into fp32, bf16 or int8.
 
 On the boxes memory is the binding constraint, and a CPU decode step is bound
 by reading the weights, so smaller weights save memory and time alike. The
@@ -33,9 +33,9 @@ whole model; torch.ao dynamic quantization is fast too but also quantizes
 activations to 8 bits per tensor, which changed the very first greedy token
 (`docs/stage-compute.md`), and torch.ao.quantization is deprecated.
 
-int4 is not a mode: 4-bit weights (groups of 32, asymmetric) raised SmolLM2's
-perplexity by 8.6 %, and `aten._weight_int4pack_mm_for_cpu` ran only ~1.3x
-faster than the int8 kernel.
+int4 is not a mode of this engine: `aten._weight_int4pack_mm_for_cpu` ran only
+~1.3x faster than the int8 kernel here, where ONNX Runtime's MatMulNBits runs
+4-bit blocks with int8 activations (node_agent/engines/onnx_weights.py).
 
 A weight shared by two modules (SmolLM2's LM head is its embedding) is
 converted once and stays shared.
@@ -46,16 +46,13 @@ features, M = rows of activations.
 
 from __future__ import annotations
 
-from typing import get_args
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node_agent import packed
-from plant_config.schema import WeightMode
+from plant_config.schema import ENGINE_MODES, WeightMode
 
-WEIGHT_MODES: tuple[WeightMode, ...] = get_args(WeightMode)
+WEIGHT_MODES: tuple[WeightMode, ...] = ENGINE_MODES["torch"]
 
 # Symmetric int8: [-127, 127], so that negating a weight negates its code.
 INT8_MAX = 127
@@ -158,7 +155,7 @@ class ConvertedExperts(nn.Module):
         return out
 
 
-def _is_fused_experts(module: nn.Module) -> bool:
+def is_fused_experts(module: nn.Module) -> bool:
     """A transformers experts module in the layout ConvertedExperts runs."""
     return (getattr(module, "is_concatenated", None) is True
             and getattr(module, "is_transposed", None) is False
@@ -197,17 +194,18 @@ def quantize(model: nn.Module, mode: WeightMode) -> None:
     else holds it), so the peak is about one stage in fp32.
     """
     if mode not in WEIGHT_MODES:
-        raise ValueError(f"weight mode {mode!r} is not one of {', '.join(WEIGHT_MODES)}")
+        raise ValueError(f"the torch engine runs weights {', '.join(WEIGHT_MODES)}, not "
+                         f"{mode!r}: int4 runs on engine onnxruntime")
     if mode == "fp32":
         return
     # fp32 weight's data_ptr -> (converted weight, int8 scales or None for bf16)
     converted: dict[int, tuple[nn.Parameter, nn.Parameter | None]] = {}
     targets = [(parent, name) for parent in model.modules()
                for name, child in parent.named_children()
-               if isinstance(child, nn.Linear | nn.Embedding) or _is_fused_experts(child)]
+               if isinstance(child, nn.Linear | nn.Embedding) or is_fused_experts(child)]
     for parent, name in targets:
         child = getattr(parent, name)
-        if _is_fused_experts(child):
+        if is_fused_experts(child):
             setattr(parent, name, ConvertedExperts(
                 [_linear(*_matrix(w, mode), None) for w in child.gate_up_proj.detach()],
                 [_linear(*_matrix(w, mode), None) for w in child.down_proj.detach()],
@@ -217,44 +215,6 @@ def quantize(model: nn.Module, mode: WeightMode) -> None:
         if key not in converted:
             converted[key] = _matrix(child.weight.detach(), mode)
         setattr(parent, name, _convert(child, *converted[key]))
-
-
-def stored_bytes(model: nn.Module, mode: WeightMode) -> int:
-    """Bytes of parameters `model` holds after `quantize(model, mode)`, from shapes alone.
-
-    Works on a meta-device skeleton, so the planner sizes a stage without
-    loading it. A parameter shared by two modules (a tied head) counts once,
-    except in fp32 with oneDNN, where the head is packed apart from the
-    embedding's plain copy (`node_agent/packed.py`).
-    """
-    converted: dict[int, int] = {}  # id of a weight quantize converts -> its bytes in `mode`
-    packed_ids: set[int] = set()  # fp32 Linear weights, packed into copies of their own
-    packed_bytes = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and mode == "fp32" and packed.available():
-            packed_ids.add(id(module.weight))
-            packed_bytes += _matrix_bytes(module.weight, mode)
-        elif isinstance(module, nn.Linear | nn.Embedding):
-            converted[id(module.weight)] = _matrix_bytes(module.weight, mode)
-        elif _is_fused_experts(module):
-            for name in ("gate_up_proj", "down_proj"):
-                experts: torch.Tensor = getattr(module, name)                  # [E,N,K]
-                converted[id(experts)] = _matrix_bytes(experts, mode)
-    return packed_bytes + sum(
-        converted.get(id(p), 0 if id(p) in packed_ids else p.nelement() * p.element_size())
-        for p in model.parameters())
-
-
-def _matrix_bytes(weight: torch.Tensor, mode: WeightMode) -> int:
-    """Bytes `_matrix` turns fp32 [..., N, K] weights into (one matrix per leading index),
-    int8 scales included."""
-    elements, rows = weight.nelement(), weight.nelement() // weight.shape[-1]
-    kernel_bytes = torch.finfo(KERNEL_DTYPE).bits // 8
-    if mode == "fp32":
-        return elements * torch.finfo(torch.float32).bits // 8
-    if mode == "bf16":
-        return elements * kernel_bytes
-    return elements + rows * kernel_bytes
 
 
 def _matrix(weight: torch.Tensor, mode: WeightMode) -> tuple[nn.Parameter, nn.Parameter | None]:

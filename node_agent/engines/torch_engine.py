@@ -1,4 +1,7 @@
-"""One contiguous slice of a decoder-only transformer, loaded and run on its own.
+"""The torch engine: one contiguous slice of a decoder-only transformer, run by PyTorch eager.
+
+The reference engine: in fp32 it is token-exact against transformers'
+`generate`, because it runs transformers' own decoder layers.
 
 Generic over HF models shaped `model.embed_tokens / model.layers / model.norm /
 lm_head` (Llama, Qwen2, Mistral, DeepSeek...): the skeleton comes from
@@ -11,7 +14,7 @@ must own: it starts from token ids or from hidden states, and hands its KV
 cache to the layers itself.
 
 Weights are read in fp32 and then converted to the stage's weight mode
-(fp32, bf16 or int8: `node_agent/quantize.py`). In fp32 the linear layers'
+(fp32, bf16 or int8: `node_agent/engines/torch_weights.py`). In fp32 the linear layers'
 weights are packed for oneDNN as they are read (`node_agent/packed.py`):
 a batched decode step takes 0.5-0.65x the time of plain weights.
 
@@ -22,7 +25,6 @@ call, H = hidden size, V = vocabulary size.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,32 +34,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from edgebus.errors import CheckpointError
 from node_agent import memory, packed
 from node_agent.checkpoint import CheckpointReader
+from node_agent.engines.base import StageEngine, StageSlice, module_path
+from node_agent.engines.torch_weights import quantize
 from node_agent.kv_cache import KVCache
 from node_agent.packed import PackedLinear
-from node_agent.quantize import quantize
 from node_agent.ragged import ATTENTION_NAME, BatchKV, Segment, causal_mask
 from plant_config.schema import WeightMode
 
 
-@dataclass(frozen=True)
-class StageSlice:
-    """Which part of the model a stage owns: layers [first, end)."""
-
-    first: int
-    end: int
-    num_layers: int
-
-    @property
-    def has_embedding(self) -> bool:
-        return self.first == 0
-
-    @property
-    def has_head(self) -> bool:
-        return self.end == self.num_layers
-
-
-class StageModel(nn.Module):
+class TorchEngine(nn.Module, StageEngine):
     """The modules one stage owns, with prefill and decode entry points."""
+
+    name = "torch"
 
     def __init__(self, model_dir: Path, first: int, end: int,
                  dtype: torch.dtype = torch.float32, weights: WeightMode = "fp32") -> None:
@@ -80,7 +68,7 @@ class StageModel(nn.Module):
             skeleton = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
                 config, attn_implementation=ATTENTION_NAME, dtype=dtype)
         decoder = skeleton.get_decoder()
-        prefix = _module_path(skeleton, decoder)
+        prefix = module_path(skeleton, decoder)
         head = skeleton.get_output_embeddings()
 
         # Each owned module, keyed by where its tensors live in the checkpoint.
@@ -93,7 +81,7 @@ class StageModel(nn.Module):
             self.embed_tokens = owned[f"{prefix}.embed_tokens."] = decoder.embed_tokens
         if self.slice.has_head:
             self.norm = owned[f"{prefix}.norm."] = decoder.norm
-            self.lm_head = owned[f"{_module_path(skeleton, head)}."] = head
+            self.lm_head = owned[f"{module_path(skeleton, head)}."] = head
         self.layers = nn.ModuleList([decoder.layers[i] for i in range(first, end)])
         # Rotary frequencies are a buffer computed at init, not stored in the
         # checkpoint: build this module for real so they come out right.
@@ -167,17 +155,6 @@ class StageModel(nn.Module):
         return self._logits(h[0, -1:]) if self.lm_head is not None and logits else h
 
     @torch.inference_mode()
-    def decode(self, x: torch.Tensor, caches: list[KVCache], positions: list[int]
-               ) -> torch.Tensor:
-        """One new position for each of B requests, as one forward pass.
-
-        x: [B, 1] ids or [B, 1, H]; request i is at `positions[i]` with history
-        `caches[i]`. Returns [B, 1, H] hidden states, or [B, V] logits.
-        """
-        rows = [x[i:i + 1] for i in range(x.shape[0])]
-        return torch.cat([out for out in self.step(rows, caches, positions) if out is not None])
-
-    @torch.inference_mode()
     def step(self, xs: list[torch.Tensor], caches: list[KVCache], starts: list[int],
              logits: list[bool] | None = None) -> list[torch.Tensor | None]:
         """New positions of several requests as one forward pass: decode steps at
@@ -222,13 +199,6 @@ class StageModel(nn.Module):
         assert self.norm is not None and self.lm_head is not None
         logits: torch.Tensor = self.lm_head(self.norm(h))
         return logits.float()
-
-
-def _module_path(root: nn.Module, target: nn.Module) -> str:
-    for name, module in root.named_modules():
-        if module is target:
-            return str(name)
-    raise CheckpointError(f"{type(target).__name__} is not part of {type(root).__name__}")
 
 
 def _rows(tensor: torch.Tensor, first: int, end: int) -> torch.Tensor:

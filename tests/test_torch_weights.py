@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny_models import build_tiny
 
+from node_agent.engines.torch_engine import TorchEngine
+from node_agent.engines.torch_weights import INT8_MAX, ConvertedExperts, Int8Linear, quantize
 from node_agent.kv_cache import KVCache
-from node_agent.quantize import INT8_MAX, ConvertedExperts, Int8Linear, quantize
-from node_agent.stage_model import StageModel
 
 PROMPT = torch.arange(100, 140).unsqueeze(0)                                           # [1,T]
 
@@ -21,7 +21,7 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
     return build_tiny("qwen2", tmp_path_factory.mktemp("qwen2"), smollm2_dir)
 
 
-def _logits(model: StageModel) -> torch.Tensor:
+def _logits(model: TorchEngine) -> torch.Tensor:
     """[2, V]: after the prompt, and after one decode step of a fixed token."""
     cache = KVCache()
     first = model.prefill(PROMPT, cache, 0)
@@ -49,8 +49,8 @@ def test_int8_linear_computes_codes_times_scales() -> None:
                          [("bf16", torch.bfloat16, 0.02), ("int8", torch.int8, 0.05)])
 def test_whole_tiny_model_in_each_mode_stays_close_to_fp32(
         qwen2_dir: Path, weights: str, stored: torch.dtype, max_relative_error: float) -> None:
-    fp32 = StageModel(qwen2_dir, 0, 6)
-    converted = StageModel(qwen2_dir, 0, 6, weights=weights)
+    fp32 = TorchEngine(qwen2_dir, 0, 6)
+    converted = TorchEngine(qwen2_dir, 0, 6, weights=weights)
     # The tied embedding and head are converted once and still share one tensor.
     assert converted.embed_tokens is not None and converted.lm_head is not None
     assert converted.embed_tokens.weight.dtype == stored
@@ -69,9 +69,9 @@ def test_converted_experts_compute_what_transformers_experts_compute(
         deepseek_dir: Path) -> None:
     """Routing, gating and the weighted sum match transformers' own experts module
     given the dequantized matrices (bf16 activation rounding aside)."""
-    stage = StageModel(deepseek_dir, 1, 2)
+    stage = TorchEngine(deepseek_dir, 1, 2)
     original = stage.layers[0].mlp.experts
-    experts = StageModel(deepseek_dir, 1, 2, weights="int8").layers[0].mlp.experts
+    experts = TorchEngine(deepseek_dir, 1, 2, weights="int8").layers[0].mlp.experts
     assert isinstance(experts, ConvertedExperts)
     for fused, per_expert in (("gate_up_proj", experts.gate_up), ("down_proj", experts.down)):
         dequantized = torch.stack([m.weight.float() * m.scale.float().unsqueeze(1)
@@ -89,11 +89,11 @@ def test_converted_experts_compute_what_transformers_experts_compute(
 
 def test_int8_deepseek_stage_decodes_batched_like_alone(deepseek_dir: Path) -> None:
     """MLA projections, experts and shared experts in int8; batched rows match single ones."""
-    model = StageModel(deepseek_dir, 0, 6, weights="int8")
+    model = TorchEngine(deepseek_dir, 0, 6, weights="int8")
     assert model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.int8
     assert model.layers[1].mlp.shared_experts.up_proj.weight.dtype == torch.int8
     assert model.layers[1].mlp.experts.gate_up[0].weight.dtype == torch.int8
-    fp32 = StageModel(deepseek_dir, 0, 6)
+    fp32 = TorchEngine(deepseek_dir, 0, 6)
     assert model.param_bytes < 0.3 * fp32.param_bytes
 
     def caches() -> list[KVCache]:
@@ -111,6 +111,6 @@ def test_int8_deepseek_stage_decodes_batched_like_alone(deepseek_dir: Path) -> N
     assert ((_logits(model) - reference).norm(dim=-1) / reference.norm(dim=-1)).max() < 0.05
 
 
-def test_unknown_weight_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="int4"):
+def test_int4_is_refused_with_the_engine_that_runs_it() -> None:
+    with pytest.raises(ValueError, match="int4 runs on engine onnxruntime"):
         quantize(torch.nn.Linear(4, 4), "int4")

@@ -1,0 +1,92 @@
+"""What every stage engine offers the stage agent, and the parts they share.
+
+An engine runs one contiguous slice of the model: token ids or hidden states
+in, hidden states (or the last stage's logits) out, with each request's keys
+and values in a `KVCache` the agent hands it. `step` is the one entry point
+that matters: continuous batching calls it with decode rows of requests at
+different positions and a prompt chunk together (node_agent/ragged.py).
+
+Shapes: T_i = positions of request i in this call, H = hidden size,
+V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from edgebus.errors import CheckpointError
+from node_agent.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class StageSlice:
+    """Which part of the model a stage owns: layers [first, end)."""
+
+    first: int
+    end: int
+    num_layers: int
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.first == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.end == self.num_layers
+
+
+class StageEngine(ABC):
+    """One slice of a decoder-only transformer, ready to run forward passes."""
+
+    config: PretrainedConfig
+    slice: StageSlice
+    name: str  # the plant file's `engine:` value that selects this class
+
+    @property
+    @abstractmethod
+    def param_bytes(self) -> int:
+        """Bytes of weights this stage holds, in its weight mode."""
+
+    @abstractmethod
+    def step(self, xs: list[torch.Tensor], caches: list[KVCache], starts: list[int],
+             logits: list[bool] | None = None) -> list[torch.Tensor | None]:
+        """New positions of several requests as one forward pass.
+
+        xs[i]: [1, T_i] ids (first stage) or [1, T_i, H]: request i's positions
+        [starts[i], starts[i] + T_i) with history caches[i]. Returns per request
+        [1, T_i, H] hidden states, or on the last stage [1, V] fp32 logits of
+        its last position (None where logits[i] is False: a prompt chunk
+        before the last, of which nothing is sampled).
+        """
+
+    def describe(self) -> dict[str, str | int | float]:
+        """What this engine runs, for the agent's status (the plant's `engine: auto` shows
+        what it chose)."""
+        return {"engine": self.name}
+
+    def prefill(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """T >= 1 new positions [start, start+T) of one request: [1, T, H] hidden states,
+        or on the last stage [1, V] logits of the last position."""
+        out = self.step([x], [cache], [start])[0]
+        assert out is not None  # every row asked for logits
+        return out
+
+    def decode(self, x: torch.Tensor, caches: list[KVCache], positions: list[int]
+               ) -> torch.Tensor:
+        """One new position for each of B requests: x [B, 1] ids or [B, 1, H] -> [B, 1, H]
+        hidden states, or [B, V] logits."""
+        rows = [x[i:i + 1] for i in range(x.shape[0])]
+        return torch.cat([out for out in self.step(rows, caches, positions) if out is not None])
+
+
+def module_path(root: nn.Module, target: nn.Module) -> str:
+    """Where `target` sits in `root` ("model.layers"): the prefix of its checkpoint names."""
+    for name, module in root.named_modules():
+        if module is target:
+            return str(name)
+    raise CheckpointError(f"{type(target).__name__} is not part of {type(root).__name__}")

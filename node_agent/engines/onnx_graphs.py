@@ -1,0 +1,249 @@
+"""A stage's layers as ONNX graphs cut at attention, exported by torch.onnx from transformers' code.
+
+Attention is where continuous batching needs per-request state: each
+request's queries attend over its own keys and values, at its own position
+(node_agent/ragged.py). Everything else in a decoder layer (norms, the
+Q/K/V/O projections, rotary embedding, the MLP: all the weights) treats the
+packed positions [1, sum(T), H] as independent rows. So a stage's layers
+are cut at every attention into *parts*, and the ONNX Runtime engine runs
+the parts in ONNX Runtime and attention in torch between them:
+
+    entry   : the pre-attention half of layer a          h -> q, k, v
+    mid (i) : the post-attention half of layer i-1, then  (h, attn) -> h, q, k, v
+              the pre-attention half of layer i
+    exit    : the post-attention half of layer b-1        (h, attn) -> h
+    head    : final norm + LM head, on the rows to sample [R, H] -> [R, V]
+
+The parts are not written by hand: transformers' own decoder layer is
+exported with an attention function that, while tracing, either hands out
+the layer's query, key and value (`_Tap.capture`) or returns the attention
+output given as a graph input (`_Tap.inject`), and with a cache that stores
+nothing. What a layer computes around attention (Llama, Qwen2's biases,
+Mistral...) comes out as that family's code computes it.
+
+Exporting takes seconds a graph, so each distinct layer structure is
+exported once, as a *template* whose weights are named by role
+(`before.mlp.up_proj.weight`), and every layer's part is the template with
+that layer's weights put in (`node_agent/engines/onnx_weights.py`).
+
+Shapes: T = positions in the call, H = hidden size, Hq/Hkv = query and
+key/value heads, D = head size, R = rows whose logits are wanted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from torch import nn
+from transformers import AttentionInterface, PretrainedConfig
+
+from edgebus.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+# The attention implementation the exported layers run: see _Tap.
+TAP_ATTENTION = "edgebus_tap"
+# Sample positions to trace with; every length axis is exported as dynamic.
+_TRACE_POSITIONS = 3
+# Roles of a template's weights, by the attribute that holds the module in _Part.
+BEFORE, AFTER, NORM, HEAD = "before", "after", "norm", "head"
+
+
+class _PassCache:
+    """A cache that keeps nothing: the tapped layer hands this step's keys and values on."""
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return key, value
+
+
+class _Tap:
+    """The attention function of exported layers: capture q, k, v, or return a given output."""
+
+    def __init__(self) -> None:
+        self._inject: torch.Tensor | None = None
+        self.captured: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def inject(self, attn: torch.Tensor) -> Iterator[None]:
+        self._inject = attn
+        try:
+            yield
+        finally:
+            self._inject = None
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, attention_mask: torch.Tensor | None,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, Dv]."""
+        if self._inject is not None:
+            return self._inject, None
+        self.captured = (query, key, value)
+        # Nothing downstream of this is exported: the capturing part returns q, k, v.
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1],
+                               value.shape[-1]), None
+
+
+_TAP = _Tap()
+AttentionInterface.register(TAP_ATTENTION, _TAP)
+
+
+class _Part(nn.Module):
+    """The post-attention half of `before`, then the pre-attention half of `after`."""
+
+    def __init__(self, before: nn.Module | None, after: nn.Module | None) -> None:
+        super().__init__()
+        self.before, self.after = before, after
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """h [1, T, H], cos/sin [1, T, D], attn [1, T, Hq, Dv] -> (h, q, k, v) or a subset."""
+        rope, out = (cos, sin), []
+        if self.before is not None:
+            assert attn is not None
+            with _TAP.inject(attn):
+                h = self.before(h, position_embeddings=rope, cache=_PassCache())
+            out.append(h)
+        if self.after is not None:
+            self.after(h, position_embeddings=rope, cache=_PassCache())
+            assert _TAP.captured is not None
+            out.extend(_TAP.captured)
+        return tuple(out)
+
+
+class _Head(nn.Module):
+    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [R, H] -> [R, V]."""
+        logits: torch.Tensor = self.head(self.norm(h))
+        return logits
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One graph of a stage: which layers it takes its weights from."""
+
+    kind: str                 # "entry", "mid", "exit" or "head"
+    before: int | None        # layer whose post-attention half it runs
+    after: int | None         # layer whose pre-attention half it runs
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.kind}-{self.before}-{self.after}.onnx"
+
+
+def stage_parts(first: int, end: int, has_head: bool) -> list[PartSpec]:
+    """The graphs of layers [first, end), in the order a forward pass runs them."""
+    parts = [PartSpec("entry", None, first)]
+    parts += [PartSpec("mid", i - 1, i) for i in range(first + 1, end)]
+    parts.append(PartSpec("exit", end - 1, None))
+    if has_head:
+        parts.append(PartSpec("head", None, None))
+    return parts
+
+
+def check_supported(config: PretrainedConfig, layer: nn.Module) -> None:
+    """Refuse, saying what to do, a model whose attention this engine cannot cut at."""
+    attention = getattr(layer, "self_attn", None)
+    if getattr(config, "kv_lora_rank", None) or hasattr(attention, "expand_kv"):
+        raise EngineError(
+            f"{config.model_type} uses multi-head latent attention, whose cache holds latents "
+            "that a stage expands after the cache: engine onnxruntime does not run it yet; use "
+            "`engine: torch` for this model")
+    if attention is None or not hasattr(attention, "layer_idx"):
+        raise EngineError(f"{type(layer).__name__} has no `self_attn` module with a layer "
+                          "index: engine onnxruntime cannot cut it at attention; use "
+                          "`engine: torch`")
+
+
+class TemplateExporter:
+    """Exports each distinct part structure once and hands out copies (weights by role)."""
+
+    def __init__(self, config: PretrainedConfig, layers: nn.ModuleList,
+                 norm: nn.Module | None, head: nn.Module | None) -> None:
+        self.config, self.layers, self.norm, self.head = config, layers, norm, head
+        self._templates: dict[str, onnx.ModelProto] = {}
+
+    def template(self, part: PartSpec) -> onnx.ModelProto:
+        """The graph of `part`, with weights named by role (BEFORE, AFTER, NORM, HEAD)."""
+        before = None if part.before is None else self.layers[part.before]
+        after = None if part.after is None else self.layers[part.after]
+        key = f"{part.kind}|{before!r}|{after!r}"
+        if key not in self._templates:
+            self._templates[key] = self._export(part, before, after)
+        graph = onnx.ModelProto()
+        graph.CopyFrom(self._templates[key])
+        return graph
+
+    def _export(self, part: PartSpec, before: nn.Module | None,
+                after: nn.Module | None) -> onnx.ModelProto:
+        cfg = self.config
+        heads: int = cfg.num_attention_heads
+        head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        t = _TRACE_POSITIONS
+        if part.kind == "head":
+            assert self.norm is not None and self.head is not None
+            module: nn.Module = _Head(_real(self.norm), _real(self.head))
+            args: tuple[torch.Tensor, ...] = (torch.zeros(t, cfg.hidden_size),)
+            names, dynamic = ["h"], {"h": {0: "rows"}}
+            outputs = ["logits"]
+        else:
+            module = _Part(None if before is None else _real(before),
+                           None if after is None else _real(after))
+            # Distinct tensors: export would trace one tensor passed twice as one input.
+            args = (torch.zeros(1, t, cfg.hidden_size), torch.zeros(1, t, head_dim),
+                    torch.zeros(1, t, head_dim))
+            names = ["h", "cos", "sin"]
+            if before is not None:
+                args += (torch.zeros(1, t, heads, head_dim),)
+                names.append("attn")
+            dynamic = {name: {1: "positions"} for name in names}
+            outputs = (["h_out"] if before is not None else []) + (
+                ["q", "k", "v"] if after is not None else [])
+        return _torch_export(module, args, names, outputs, dynamic)
+
+
+def _real(module: nn.Module) -> nn.Module:
+    """A copy of a meta-device module with (uninitialised) real storage: export traces it
+    without computing, and the weights it records are replaced by role afterwards."""
+    return copy.deepcopy(module).to_empty(device="cpu")
+
+
+def _torch_export(module: nn.Module, args: tuple[torch.Tensor, ...], inputs: list[str],
+                  outputs: list[str], dynamic: dict[str, dict[int, str]]) -> onnx.ModelProto:
+    """torch.onnx's dynamo export, unoptimised so weights keep their module names."""
+    module.eval()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), \
+            _quiet_exporter(), torch.inference_mode(False):
+        warnings.simplefilter("ignore")
+        path = Path(tmp) / "part.onnx"
+        try:
+            torch.onnx.export(module, args, str(path), dynamo=True, input_names=inputs,
+                              output_names=outputs, dynamic_shapes=dynamic, optimize=False,
+                              verbose=False, external_data=False)
+        except Exception as exc:
+            raise EngineError(f"torch.onnx cannot export this model's layers "
+                              f"({type(exc).__name__}: {str(exc)[:300]}): use `engine: torch` "
+                              "for it") from exc
+        return onnx.load(str(path))
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """torch.onnx prints progress lines to stdout: keep them out of an agent's journal."""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield

@@ -1,0 +1,194 @@
+"""A part's weights, put into its exported template in the stage's weight mode.
+
+Every linear layer of a template is `MatMul(x, Transpose(W))` (or a Gemm with
+transB); it becomes, by the form its weight takes in the mode:
+
+- fp32: `MatMul(x, W^T)`, W^T as a plain initializer.
+- block-quantized (int8, int4, or GGUF blocks kept at import):
+  ONNX Runtime's `MatMulNBits` at ACCURACY_LEVEL, plus, for formats with a
+  float minimum per block (Q4_1, Q4_K), that minimum's share:
+  `blocksum(x) @ minimum^T`, where blocksum adds up x over each block
+  (node_agent/blockwise.py explains why it is not a zero point).
+
+What each mode stores (`matrix_in_mode`):
+
+| mode | decoder matrices | embedding and LM head |
+| ---  | ---              | ---                   |
+| fp32 | fp32             | fp32                  |
+| int8 | 8-bit, blocks of 32, symmetric | 8-bit  |
+| int4 | 4-bit, blocks of 32 (INT4_SYMMETRIC) | 8-bit, as llama.cpp keeps them |
+
+Weights kept from a GGUF run as they were stored, whatever the mode (fp32
+dequantizes them): requantizing would round them a second time.
+
+Shapes: N = output features, K = input features, M = rows of activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+from onnx import helper, numpy_helper
+from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+from node_agent.blockwise import BlockQuantized, pack_codes
+from plant_config.schema import WeightMode
+
+Matrix = npt.NDArray[np.float32] | BlockQuantized
+
+# Weights a block: llama.cpp's Q4_0/Q8_0 block. Smaller blocks follow the
+# weights more closely and cost a scale (4 bytes) per block: at 32, 1/8 byte
+# per weight over the 4-bit codes, so int4 is 0.156x fp32.
+BLOCK = 32
+# MatMulNBits quantizes activations to int8 per block and multiplies in
+# int32 (AVX-VNNI/AVX512-VNNI, ARM dotprod). Measured here on SmolLM2, one
+# thread, whole model: 74 tok/s at level 4 against ~45 at the default level
+# 0, which dequantizes to fp32 first.
+ACCURACY_LEVEL = 4
+# Symmetric 4-bit codes (zero point 8, no zero-point bytes) against
+# asymmetric (a zero point per block): see docs/weight-modes.md.
+INT4_SYMMETRIC = False
+_MS_DOMAIN = "com.microsoft"
+
+
+def matrix_in_mode(weight: Matrix, mode: WeightMode, *, edge: bool) -> Matrix:
+    """The form `weight` [N, K] takes in `mode`; `edge`: the embedding or the LM head."""
+    if isinstance(weight, BlockQuantized):
+        return weight.dequantize() if mode == "fp32" else weight
+    if mode == "fp32":
+        return weight
+    if mode == "int4" and not edge:
+        return quantize(weight, 4, symmetric=INT4_SYMMETRIC)
+    return quantize(weight, 8, symmetric=True)
+
+
+def quantize(weight: npt.NDArray[np.float32], bits: int, *, symmetric: bool) -> BlockQuantized:
+    """Round-to-nearest block quantization of fp32 [N, K], by ONNX Runtime's own C++ quantizer
+    (the one its MatMulNBits tooling uses)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"a matrix of {k} input features does not split into blocks of "
+                         f"{BLOCK}")
+    blocks = k // BLOCK
+    codes = np.zeros((n, blocks, BLOCK * bits // 8), np.uint8)
+    scales = np.zeros((n, blocks), np.float32)
+    packed_zeros = np.zeros((n, -(-blocks * bits // 8)), np.uint8)
+    kernel = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
+    kernel(codes, np.ascontiguousarray(weight.T, dtype=np.float32), scales, packed_zeros,
+           BLOCK, n, k, symmetric)
+    zeros = None if symmetric else _unpack_zeros(packed_zeros, bits, blocks)
+    return BlockQuantized(codes, scales, zeros, None, bits, BLOCK,
+                          f"rtn-int{bits}-{'sym' if symmetric else 'asym'}")
+
+
+def _unpack_zeros(packed: npt.NDArray[np.uint8], bits: int, blocks: int
+                  ) -> npt.NDArray[np.uint8]:
+    if bits == 8:
+        return np.ascontiguousarray(packed[:, :blocks])
+    both = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    return np.ascontiguousarray(both[:, :blocks])
+
+
+def _packed_zeros(matrix: BlockQuantized) -> npt.NDArray[np.uint8] | None:
+    """MatMulNBits' zero points: [N, ceil(blocks * bits / 8)], 4-bit ones two a byte."""
+    if matrix.zeros is None:
+        return None
+    if matrix.bits == 8:
+        return matrix.zeros
+    n, blocks = matrix.zeros.shape
+    even = np.zeros((n, blocks + blocks % 2), np.uint8)
+    even[:, :blocks] = matrix.zeros
+    return pack_codes(even, 4, even.shape[1]).reshape(n, -1)
+
+
+def fill(template: onnx.ModelProto, matrix: Callable[[str], Matrix],
+         tensor: Callable[[str], npt.NDArray[np.float32]]) -> onnx.ModelProto:
+    """Put weights into `template` (modified and returned): `matrix(role_name)` for the
+    weight of each linear layer, `tensor(role_name)` for every other weight (norms, biases).
+    Initializers whose names have no role (constants of the export) stay as they are."""
+    graph = template.graph
+    initializers = {i.name: i for i in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    nodes: list[onnx.NodeProto] = []
+    added: list[onnx.TensorProto] = []
+    linear_weights: set[str] = set()
+    for node in graph.node:
+        weight = _linear_weight(node, producer, initializers)
+        if weight is None:
+            nodes.append(node)
+            continue
+        linear_weights.add(weight)
+        nodes += _product(node.input[0], node.output[0], weight, matrix(weight), added)
+    used = {name for node in nodes for name in node.input}
+    nodes = [n for n in nodes if any(out in used for out in n.output)
+             or any(out in {o.name for o in graph.output} for out in n.output)]
+    kept = []
+    for init in graph.initializer:
+        if init.name in linear_weights or init.name not in used:
+            continue
+        if "." in init.name:  # a role name: before.mlp.up_proj.bias, norm.weight, ...
+            init = numpy_helper.from_array(np.ascontiguousarray(tensor(init.name)), init.name)
+        kept.append(init)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept + added)
+    if not any(o.domain == _MS_DOMAIN for o in template.opset_import):
+        template.opset_import.append(helper.make_opsetid(_MS_DOMAIN, 1))
+    return template
+
+
+def _linear_weight(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto],
+                   initializers: dict[str, onnx.TensorProto]) -> str | None:
+    """The weight initializer of a linear layer's product node, or None for other nodes."""
+    if node.op_type == "MatMul" and len(node.input) == 2:
+        source = producer.get(node.input[1])
+        if (source is not None and source.op_type == "Transpose"
+                and source.input[0] in initializers):
+            return str(source.input[0])
+    if node.op_type == "Gemm" and len(node.input) == 2 and node.input[1] in initializers:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (attrs.get("transB") == 1 and not attrs.get("transA")
+                and attrs.get("alpha", 1.0) == 1.0):
+            return str(node.input[1])
+    return None
+
+
+def _product(x: str, y: str, name: str, weight: Matrix,
+             added: list[onnx.TensorProto]) -> list[onnx.NodeProto]:
+    """Nodes computing y = x W^T, with the initializers they need appended to `added`."""
+    if not isinstance(weight, BlockQuantized):
+        added.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), f"{name}.T"))
+        return [helper.make_node("MatMul", [x, f"{name}.T"], [y])]
+    n, k = weight.shape
+    inputs = [x, f"{name}.codes", f"{name}.scales"]
+    added += [numpy_helper.from_array(weight.codes, f"{name}.codes"),
+              numpy_helper.from_array(weight.scales.reshape(-1), f"{name}.scales")]
+    zeros = _packed_zeros(weight)
+    if zeros is not None:
+        inputs.append(f"{name}.zeros")
+        added.append(numpy_helper.from_array(zeros, f"{name}.zeros"))
+    attrs: dict[str, Any] = {"K": k, "N": n, "bits": weight.bits, "block_size": weight.block,
+                             "accuracy_level": ACCURACY_LEVEL}
+    if weight.minimums is None:
+        return [helper.make_node("MatMulNBits", inputs, [y], domain=_MS_DOMAIN, **attrs)]
+    # The minimum's share: each block's sum of x [M, K/block] times minimum^T [K/block, N].
+    blocks = k // weight.block
+    added += [numpy_helper.from_array(np.array([-1, blocks, weight.block]), f"{name}.blocks"),
+              numpy_helper.from_array(np.array([2]), f"{name}.axis"),
+              numpy_helper.from_array(np.ascontiguousarray(weight.minimums.T),
+                                      f"{name}.minimums")]
+    return [
+        helper.make_node("MatMulNBits", inputs, [f"{y}.coded"], domain=_MS_DOMAIN, **attrs),
+        helper.make_node("Reshape", [x, f"{name}.blocks"], [f"{y}.in_blocks"]),
+        helper.make_node("ReduceSum", [f"{y}.in_blocks", f"{name}.axis"], [f"{y}.block_sums"],
+                         keepdims=0),
+        helper.make_node("MatMul", [f"{y}.block_sums", f"{name}.minimums"], [f"{y}.offset"]),
+        helper.make_node("Shape", [f"{y}.coded"], [f"{y}.shape"]),
+        helper.make_node("Reshape", [f"{y}.offset", f"{y}.shape"], [f"{y}.offset_shaped"]),
+        helper.make_node("Add", [f"{y}.coded", f"{y}.offset_shaped"], [y]),
+    ]
