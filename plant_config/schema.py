@@ -367,7 +367,11 @@ class Plant(_Section):
     topic_root: str
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
     model: ResolvedPath  # model directory in HF layout
-    wire_dtype: Literal["float16", "float32"] = "float16"  # activations between stages
+    # Activations between stages. float32 by default: a float16 hop rounds the hidden
+    # state, which flipped a greedy near-tie of SmolLM2 in int8 at a 2- and 3-stage
+    # split (tests/test_engines.py); float16 halves the bytes (1.2 instead of 2.3 KB
+    # a decode hop for SmolLM2) where a link is that slow.
+    wire_dtype: Literal["float16", "float32"] = "float32"
     # The hardware each stage node runs on, for `edgebus plan`; None: not described.
     boxes: list[BoxSpec] | None = None
     # In pipeline order: stage 0 also owns the token embedding, the last one

@@ -18,12 +18,19 @@ from pathlib import Path
 
 import torch
 from brokers import BrokerHandle
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+)
 
 from edgebus.ask import ask
 from edgebus.messages import GenerateRequest, GenerateResponse
-from node_agent.coordinator import Coordinator
+from node_agent.coordinator import Coordinator, prefill_chunks
 from node_agent.engines import StageEngine, load_engine
+from node_agent.kv_cache import KVCache
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
 from plant_config.schema import EngineName, WeightMode
@@ -31,7 +38,8 @@ from plant_config.schema import EngineName, WeightMode
 READY_TIMEOUT_S = 30.0
 
 
-def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int, int]],
+def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int, int]], *,
+              weights: WeightMode = "fp32", engine: EngineName = "auto",
               **coordinator: object) -> Plant:
     """A plant over `broker` with one stage per layer range, on a topic root of its own."""
     return Plant(
@@ -39,7 +47,8 @@ def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int,
         broker=BrokerSettings(url=f"mqtt://{broker.host}:{broker.port}",
                               protocol="5" if broker.mqtt5 else "3.1.1"),
         model=model_dir,
-        stages=[StageSpec(node=f"stage-{i}", layers=layers) for i, layers in enumerate(splits)],
+        stages=[StageSpec(node=f"stage-{i}", layers=layers, weights=weights, engine=engine)
+                for i, layers in enumerate(splits)],
         coordinator=CoordinatorSpec(**coordinator))  # type: ignore[arg-type]
 
 
@@ -101,6 +110,35 @@ def _generate(model_dir: Path, ids: tuple[int, ...], max_new_tokens: int,
                          do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          **kwargs)
     return tuple(out[0, len(ids):].tolist())
+
+
+@functools.cache
+def _engine_tokens(model_dir: Path, ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool,
+                   engine: EngineName, weights: WeightMode, chunk: int) -> tuple[int, ...]:
+    model = stage_model(model_dir, 0, AutoConfig.from_pretrained(model_dir).num_hidden_layers,
+                        weights, engine)
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    stop = set() if ignore_eos else set(eos) if isinstance(eos, list) else {eos}
+    cache, start = KVCache(), 0
+    for size in prefill_chunks(len(ids), chunk):  # the coordinator's chunks
+        logits = model.step([torch.tensor([ids[start:start + size]])], [cache], [start])[0]
+        start += size
+    out: list[int] = []
+    while True:
+        assert logits is not None
+        out.append(int(logits.argmax()))
+        if len(out) == max_new_tokens or out[-1] in stop:
+            return tuple(out)
+        logits = model.step([torch.tensor([[out[-1]]])], [cache], [len(ids) + len(out) - 1])[0]
+
+
+def engine_tokens(model_dir: Path, request: GenerateRequest, engine: EngineName,
+                  weights: WeightMode, chunk: int = 128) -> list[int]:
+    """Greedy tokens for `request` from the whole model as one `engine` in `weights`, in this
+    process, one request at a time: what a pipeline of that engine and mode must answer."""
+    ids = tuple(prompt_ids(model_dir, request))
+    return list(_engine_tokens(model_dir, ids, request.max_tokens, request.ignore_eos, engine,
+                               weights, chunk))
 
 
 def reference_tokens(model_dir: Path, request: GenerateRequest) -> list[int]:

@@ -170,23 +170,29 @@ def check_supported(config: PretrainedConfig, layer: nn.Module) -> None:
                           "`engine: torch`")
 
 
+# Templates exported in this process, by part kind and module structure: stages
+# of one model (and tests loading many) share them.
+_TEMPLATES: dict[str, onnx.ModelProto] = {}
+
+
 class TemplateExporter:
     """Exports each distinct part structure once and hands out copies (weights by role)."""
 
     def __init__(self, config: PretrainedConfig, layers: nn.ModuleList,
                  norm: nn.Module | None, head: nn.Module | None) -> None:
         self.config, self.layers, self.norm, self.head = config, layers, norm, head
-        self._templates: dict[str, onnx.ModelProto] = {}
 
     def template(self, part: PartSpec) -> onnx.ModelProto:
         """The graph of `part`, with weights named by role (BEFORE, AFTER, NORM, HEAD)."""
         before = None if part.before is None else self.layers[part.before]
         after = None if part.after is None else self.layers[part.after]
-        key = f"{part.kind}|{before!r}|{after!r}"
-        if key not in self._templates:
-            self._templates[key] = self._export(part, before, after)
+        # A module's repr names its classes and every shape; a head part's is its norm's and head's.
+        key = (f"{part.kind}|{before!r}|{after!r}" if part.kind != "head"
+               else f"head|{self.norm!r}|{self.head!r}")
+        if key not in _TEMPLATES:
+            _TEMPLATES[key] = self._export(part, before, after)
         graph = onnx.ModelProto()
-        graph.CopyFrom(self._templates[key])
+        graph.CopyFrom(_TEMPLATES[key])
         return graph
 
     def _export(self, part: PartSpec, before: nn.Module | None,

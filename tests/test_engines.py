@@ -1,0 +1,88 @@
+"""The engines behind a stage: each mode and engine exact through any split, against itself.
+
+fp32 on the torch engine is held to transformers' `generate` (test_pipeline.py).
+Every other engine and weight mode computes other sums, so its bar is itself:
+the pipeline, split any way and batching concurrent requests, must answer
+what the same engine and weights answer for the whole model in one process,
+one request at a time (`pipeline.engine_tokens`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from brokers import BrokerHandle
+from pipeline import ask_all, engine_tokens, plant_for, running, stage_model
+from test_pipeline import SMOLLM2_SPLITS, requests
+
+from node_agent.engines.onnx_engine import CACHE_DIR
+from node_agent.kv_cache import KVCache
+from plant_config.schema import EngineName, WeightMode
+
+# (engine, weights) pairs other than the reference, torch fp32.
+MODES: list[tuple[EngineName, WeightMode]] = [
+    ("onnxruntime", "int4"), ("onnxruntime", "int8"), ("onnxruntime", "fp32"), ("torch", "int8")]
+SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("engine", "weights"), MODES, ids=[f"{e}-{w}" for e, w in MODES])
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+async def test_every_split_answers_what_one_process_answers(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle, split: list[tuple[int, int]],
+        engine: EngineName, weights: WeightMode) -> None:
+    reqs = requests()
+    plant = plant_for(smollm2_dir, amqtt_broker, split, weights=weights, engine=engine)
+    async with running(plant) as stages:
+        responses = await ask_all(plant, reqs)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.error is None, response.error
+        assert response.tokens == engine_tokens(smollm2_dir, request, engine, weights), request.id
+    # The three requests were in flight together: some pass carried more than one row.
+    assert stages[-1].metrics["rows"] > stages[-1].metrics["steps"]
+
+
+def test_onnx_fp32_computes_what_torch_computes(smollm2_dir: Path) -> None:
+    """The exported parts run transformers' layers: fp32 logits agree to float rounding."""
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646]])
+    reference = stage_model(smollm2_dir, 0, 30, "fp32", "torch").prefill(ids, KVCache(), 0)
+    onnx = stage_model(smollm2_dir, 0, 30, "fp32", "onnxruntime").prefill(ids, KVCache(), 0)
+    assert (onnx - reference).abs().max() < 1e-3 * reference.abs().max()
+
+
+@pytest.mark.parametrize("weights", ["int4", "fp32"])
+def test_a_batched_step_computes_each_request_as_alone(smollm2_dir: Path,
+                                                       weights: WeightMode) -> None:
+    """Decode rows at different positions and a prompt chunk, in one call, each give what
+    their request gives on its own (the per-request attention is what must not mix)."""
+    model = stage_model(smollm2_dir, 0, 30, weights, "onnxruntime")
+    prompts = [torch.arange(100, 100 + n).unsqueeze(0) for n in (5, 9, 7)]
+
+    def caches() -> list[KVCache]:
+        out = [KVCache() for _ in prompts[:2]]
+        for cache, prompt in zip(out, prompts[:2], strict=False):
+            model.prefill(prompt, cache, 0)
+        return out
+
+    rows = [torch.tensor([[7]]), torch.tensor([[8]]), prompts[2]]
+    batched = model.step(rows, [*caches(), KVCache()], [5, 9, 0])
+    alone_caches = [*caches(), KVCache()]
+    for i, (row, start) in enumerate(zip(rows, [5, 9, 0], strict=True)):
+        alone = model.step([row], [alone_caches[i]], [start])[0]
+        assert batched[i] is not None and alone is not None
+        assert int(batched[i].argmax()) == int(alone.argmax())
+        assert (batched[i] - alone).abs().max() < 1e-4 * alone.abs().max()
+
+
+def test_graphs_are_built_once_and_reused(smollm2_dir: Path) -> None:
+    from node_agent.engines import load_engine
+
+    load_engine(smollm2_dir, 28, 30, engine="onnxruntime", weights="int4")
+    built = sorted((smollm2_dir / CACHE_DIR).glob("layers-28-30-int4-*"))
+    assert len(built) == 1
+    before = {f.name: f.stat().st_mtime_ns for f in built[0].iterdir()}
+    load_engine(smollm2_dir, 28, 30, engine="onnxruntime", weights="int4")
+    assert sorted((smollm2_dir / CACHE_DIR).glob("layers-28-30-int4-*")) == built
+    assert {f.name: f.stat().st_mtime_ns for f in built[0].iterdir()} == before
