@@ -28,17 +28,29 @@ def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
 class TextStream:
     """Turns generated ids into text deltas and finds stop strings.
 
-    Decoding the whole generation each step (not token by token) is what keeps
-    multi-token characters and leading spaces right; a trailing U+FFFD means a
-    character is still incomplete, so it is held back. Text that could be the
-    start of a stop string is held back too, so a stream never shows a stop
-    string that the final text does not contain.
+    Text is decoded incrementally: each step decodes only a window of the
+    last few ids, never the whole generation, so a stream of n tokens costs
+    O(n), not O(n^2). The window starts one id before the text not yet
+    committed, so that a tokenizer which strips a leading space from the
+    first id it decodes (SentencePiece) sees that id in context. A window
+    whose text ends in U+FFFD holds an incomplete character: it is shown
+    (like the whole text would be) but not committed, and is decoded again
+    with the next id. Text that could be the start of a stop string is held
+    back too, so a stream never shows a stop string that the final text does
+    not contain. `text` and the deltas are what decoding the whole generation
+    at every step would give.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
         self._ids: list[int] = []
+        # ids[_context:_committed] decode to the tail of `_committed_text`; the
+        # window decoded each step is ids[_context:].
+        self._context = 0
+        self._committed = 0
+        self._committed_text = ""
+        self._context_text = ""  # decode(ids[_context:_committed])
         self.text = ""       # everything decoded so far, cut at a stop string
         self.emitted = 0     # characters of `text` already handed out as deltas
         self.stopped = False
@@ -46,7 +58,13 @@ class TextStream:
     def add(self, token: int) -> str:
         """Append one id; return the new text safe to show (may be empty)."""
         self._ids.append(token)
-        text = decode(self._tokenizer, self._ids)
+        window = decode(self._tokenizer, self._ids[self._context:])
+        text = self._committed_text + window[len(self._context_text):]
+        if not text.endswith("\ufffd"):
+            # A complete character: the next window starts at this one's last ids.
+            self._committed_text = text
+            self._context, self._committed = self._committed, len(self._ids)
+            self._context_text = decode(self._tokenizer, self._ids[self._context:self._committed])
         if self._stop:
             search_from = max(0, len(self.text) - max(map(len, self._stop)))
             hits = [i for i in (text.find(s, search_from) for s in self._stop) if i >= 0]

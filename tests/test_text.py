@@ -5,10 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pipeline import tokenizer
 
 from edgebus.messages import ChatMessage, GenerateRequest
-from node_agent.text import TextStream, prompt_ids
+from node_agent.text import TextStream, decode, prompt_ids
+
+# A maintenance log of well over a thousand tokens, multi-byte characters included.
+LONG_TEXT = " ".join(f"Schicht {n}: Presse {n % 4} lief mit {80 + n} Hüben/min, "
+                     f"温度 {20 + n % 9} °C." for n in range(80))
+# Each step decodes its window (the ids since the last commit and the ones
+# before them) and the next window's context: about 3 ids per id of ordinary text.
+DECODES_PER_ID = 4
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +56,99 @@ def test_stop_string_cuts_text_and_stream_never_shows_it(tok) -> None:  # type: 
     shown, final, stopped = _stream(tok, "Step one. Observation: the valve leaks.", ["Observation"])
     assert stopped
     assert final == shown == "Step one. "
+
+
+class WholeTextStream:
+    """The specification of TextStream: decode the whole generation at every step.
+
+    This was TextStream itself before it became incremental; the incremental
+    one must give the same deltas, text and stop decision, id by id.
+    """
+
+    def __init__(self, tok, stop: list[str]) -> None:  # type: ignore[no-untyped-def]
+        self._tok, self._stop = tok, stop
+        self._ids: list[int] = []
+        self.text, self.emitted, self.stopped = "", 0, False
+
+    def add(self, token: int) -> str:
+        self._ids.append(token)
+        text = decode(self._tok, self._ids)
+        if self._stop:
+            search_from = max(0, len(self.text) - max(map(len, self._stop)))
+            hits = [i for i in (text.find(s, search_from) for s in self._stop) if i >= 0]
+            if hits:
+                text, self.stopped = text[: min(hits)], True
+        self.text = text
+        end = len(text) if self.stopped else len(text) - 1 if text.endswith("\ufffd") \
+            else len(text)
+        if not self.stopped:
+            for stop in self._stop:
+                for n in range(min(len(stop) - 1, end), 0, -1):
+                    if text[end - n:end] == stop[:n]:
+                        end -= n
+                        break
+            end = max(end, self.emitted)
+        delta = text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def flush(self) -> str:
+        delta, self.emitted = self.text[self.emitted:], len(self.text)
+        return delta
+
+
+def _deltas(stream: TextStream | WholeTextStream, ids: list[int]) -> list[str]:
+    out = []
+    for token in ids:
+        out.append(stream.add(token))
+        if stream.stopped:
+            break
+    out.append(stream.flush())
+    return out
+
+
+@pytest.fixture(scope="module")
+def byte_ids(tok) -> list[int]:  # type: ignore[no-untyped-def]
+    """Ids of the byte tokens that are no character alone: pieces of multi-byte UTF-8."""
+    return [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
+
+
+# Random ids: half of them bytes of multi-byte characters (which must be held
+# back until complete, or show as U+FFFD when they never complete), and stop
+# strings cut from the text itself, so that they do occur.
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_incremental_deltas_equal_decoding_the_whole_text_each_step(
+        tok, byte_ids: list[int], data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+    token = st.one_of(st.sampled_from(byte_ids), st.integers(0, tok.vocab_size - 1))
+    ids = data.draw(st.lists(token, max_size=30))
+    whole = decode(tok, ids)
+    cut = st.tuples(st.integers(0, max(0, len(whole) - 1)), st.integers(1, 4)).map(
+        lambda at: whole[at[0]:at[0] + at[1]])
+    stop = data.draw(st.lists(st.one_of(cut, st.text(min_size=1, max_size=3)), max_size=3)
+                     .map(lambda stops: [s for s in stops if s]))
+    expected, got = WholeTextStream(tok, stop), TextStream(tok, stop)
+    assert _deltas(got, ids) == _deltas(expected, ids)
+    assert (got.text, got.stopped) == (expected.text, expected.stopped)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the ids it is asked to decode."""
+
+    def __init__(self, tok) -> None:  # type: ignore[no-untyped-def]
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids: list[int], **kwargs: object) -> str:
+        self.decoded += len(ids)
+        return str(self.tok.decode(ids, **kwargs))
+
+
+def test_streaming_decodes_each_id_a_bounded_number_of_times(tok) -> None:  # type: ignore[no-untyped-def]
+    ids = tok(LONG_TEXT)["input_ids"]
+    assert len(ids) > 1000
+    counting = CountingTokenizer(tok)
+    shown = "".join(_deltas(TextStream(counting, []), ids))  # type: ignore[arg-type]
+    assert shown == tok.decode(ids)
+    # Decoding the whole text each step would be len(ids)**2 / 2 ids (over 500k).
+    assert counting.decoded <= DECODES_PER_ID * len(ids)
