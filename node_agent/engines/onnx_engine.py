@@ -61,7 +61,7 @@ CACHE_DIR = "edgebus-onnx"
 # Written last into a stage's graph directory: its presence means complete.
 MANIFEST = "manifest.json"
 # Bump when the graphs written here change meaning, so cached ones are rebuilt.
-GRAPH_FORMAT = 1
+GRAPH_FORMAT = 4
 MODES: tuple[WeightMode, ...] = ("fp32", "int8", "int4")
 _PROVIDERS: dict[Device, list[str]] = {
     "cpu": ["CPUExecutionProvider"],
@@ -207,7 +207,13 @@ def _graphs(model_dir: Path, skeleton: PreTrainedModel, layers: StageSlice, part
             weights: WeightMode, *, progress: bool) -> Path:
     """The directory of this stage's graphs, built now unless cached."""
     first, end = layers.first, layers.end
-    target = model_dir / CACHE_DIR / f"layers-{first}-{end}-{weights}-{_digest(model_dir)}"
+    name = f"layers-{first}-{end}-{weights}"
+    target = model_dir / CACHE_DIR / f"{name}-{_digest(model_dir)}"
+    # Graphs of these layers for an older checkpoint or library version are never read
+    # again: without this, every upgrade would leave a copy of the stage's weights behind.
+    for stale in (model_dir / CACHE_DIR).glob(f"{name}-*"):
+        if stale != target:
+            shutil.rmtree(stale, ignore_errors=True)
     if (target / MANIFEST).is_file():
         return target
     staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")

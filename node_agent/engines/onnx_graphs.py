@@ -50,8 +50,6 @@ from transformers import AttentionInterface, PretrainedConfig
 
 from edgebus.errors import EngineError
 
-log = logging.getLogger(__name__)
-
 # The attention implementation the exported layers run: see _Tap.
 TAP_ATTENTION = "edgebus_tap"
 # Sample positions to trace with; every length axis is exported as dynamic.
@@ -250,6 +248,13 @@ def _torch_export(module: nn.Module, args: tuple[torch.Tensor, ...], inputs: lis
 
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
-    """torch.onnx prints progress lines to stdout: keep them out of an agent's journal."""
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        yield
+    """torch.onnx prints progress to stdout and warns that torchvision's ops are not
+    registered (edgebus uses none): keep both out of an agent's journal."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            yield
+    finally:
+        logger.setLevel(level)
