@@ -206,6 +206,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    if args.build_peers:
+        from edgebus.bench.peers import build_tools
+
+        build_tools(jobs=args.build_jobs)
+        return
     from edgebus.bench.results import DEFAULT_TOKENS, QUICK_TOKENS, BenchSettings
     from edgebus.bench.runner import run_bench
 
@@ -317,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: amqtt (embedded) and/or mosquitto")
     p.add_argument("--tokens", type=int,
                    help="tokens generated per request (default 64, 16 with --quick)")
+    p.add_argument("--build-peers", action="store_true",
+                   help="build llama.cpp's server and RPC tools (the peers the bench compares "
+                        "with) into $EDGEBUS_HOME/llama.cpp/ and exit; ~24 min on 2 cores")
+    p.add_argument("--build-jobs", type=int, metavar="N",
+                   help="compile jobs for --build-peers (default: one per usable core)")
     p.set_defaults(run=_bench)
     return parser
 
