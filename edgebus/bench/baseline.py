@@ -30,6 +30,7 @@ from edgebus.bench.metrics import (
     stream_stats,
     time_to_first_token,
 )
+from edgebus.bench.peers import Skipped, llama_cpp_python_single
 from edgebus.bench.results import OneCoreBaseline, TransformersBaseline
 from edgebus.bench.workload import chat_request, long_request
 from edgebus.errors import EdgebusError
@@ -44,8 +45,6 @@ T = TypeVar("T")
 WARMUP_RUNS = 1
 # Static batches for reference: what one process gets when requests arrive together.
 STATIC_BATCHES = (8, 16)
-# Room for the chat prompt plus the longest --tokens anyone runs.
-LLAMA_CPP_CONTEXT = 2048
 # Bytes per element of the safetensors dtypes a checkpoint may hold.
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                 "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -154,32 +153,29 @@ def _greedy(model: PreTrainedModel, ids: torch.Tensor, tokens: int,
     return out
 
 
-def run_llama_cpp(gguf: Path, ids: list[int], *, tokens: int, runs: int,
-                  threads: int) -> StreamStats | None:
-    """Single stream on llama.cpp through llama-cpp-python, or None if it is not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=LLAMA_CPP_CONTEXT, verbose=False)
-    try:
-        def one() -> Trace:
-            llm.reset()  # type: ignore[no-untyped-call]  # else it reuses the cached prompt
-            times: list[float] = []
-            sent = time.perf_counter()
-            # top_k=1 is greedy; the generator never stops on EOS by itself.
-            for _ in llm.generate(ids, top_k=1, temp=0.0):
-                times.append(time.perf_counter())
-                if len(times) == tokens:
-                    break
-            return Trace(sent=sent, arrivals=list(enumerate(times)), done=times[-1],
-                         tokens=len(times))
+def run_llama_cpp(gguf: Path, ids: list[int], *, tokens: int, runs: int, threads: int,
+                  notes: list[str] | None = None) -> StreamStats | None:
+    """Single stream on llama.cpp through llama-cpp-python, measured in a child process.
 
-        for _ in range(WARMUP_RUNS):
-            one()
-        return stream_stats([one() for _ in range(runs)])
-    finally:
-        llm.close()
+    None if it is not installed or could not run; the reason then goes to `notes`
+    (the report's notes). llama.cpp runs with its extra CPU buffer types (repacked
+    weights, AMX) first, as it does by default. If the child dies of a signal, as on
+    Intel VMs that advertise AMX but do not execute it (SIGILL), it runs again without
+    them, and `notes` says so: those numbers are then without repacked kernels.
+    """
+    result = llama_cpp_python_single(gguf, ids, tokens=tokens, runs=runs, threads=threads)
+    if isinstance(result, Skipped) and result.crashed:
+        retry = llama_cpp_python_single(gguf, ids, tokens=tokens, runs=runs, threads=threads,
+                                        extra_bufts=False)
+        if not isinstance(retry, Skipped) and notes is not None:
+            notes.append(f"llama.cpp (llama-cpp-python): {result.reason}; measured again "
+                         "with use_extra_bufts=False (no AMX, no repacked weights)")
+        result = retry
+    if isinstance(result, Skipped):
+        if notes is not None:
+            notes.append(f"llama.cpp (llama-cpp-python) skipped: {result.reason}")
+        return None
+    return result
 
 
 def rss(pid: int) -> tuple[int, int]:
