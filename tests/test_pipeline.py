@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from brokers import BrokerHandle
 from pipeline import ask_all, plant_for, prompt_ids, reference_tokens, running
-from tiny_models import build_tiny
+from tiny_models import build_tiny, historyless_tokens
 
 from edgebus.ask import ask
 from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
@@ -158,9 +158,16 @@ async def test_tiny_families_token_exact(tiny_dir: Path, amqtt_broker: BrokerHan
     async with running(plant):
         responses = await ask_all(plant, reqs)
     for request, response in zip(reqs, responses, strict=True):
-        assert response.tokens == reference_tokens(tiny_dir, request), request.id
+        expected = reference_tokens(tiny_dir, request)
+        assert response.tokens == expected, request.id
         assert len(response.tokens) == MAX_TOKENS
         assert response.finish_reason == "length"
+        # The test can catch a KV-cache or position bug only if the answer depends
+        # on the history: a decode that forgets it must differ from the first
+        # decoded token on, and the answer must not be one token over and over.
+        forgetful = historyless_tokens(tiny_dir, prompt_ids(tiny_dir, request), MAX_TOKENS)
+        assert forgetful[1] != expected[1], request.id
+        assert len(set(expected)) > MAX_TOKENS // 2, request.id
 
 
 async def test_seeded_sampling_is_reproducible_through_the_pipeline(

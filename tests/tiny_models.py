@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     LlamaConfig,
+    MistralConfig,
     PretrainedConfig,
     Qwen2Config,
 )
@@ -24,6 +25,15 @@ from transformers import (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
 VOCAB = 49152  # SmolLM2's tokenizer
+# Weights of the dense families drawn with this standard deviation (transformers'
+# default, which DeepSeek keeps, is 0.02).
+# At 0.02 attention is nearly uniform: the tiny Qwen2 repeated one token under
+# greedy decoding, whatever its history, so a lost or misplaced KV cache went
+# unnoticed. At 0.2 every request's next token already depends on its history
+# at the first decode step (`historyless_tokens` is how the tests check it).
+INIT_RANGE = 0.2
+# Mistral's sliding window, far below the tests' prompts so that they reach past it.
+SLIDING_WINDOW = 8
 
 
 def _small(**extra: Any) -> dict[str, Any]:
@@ -34,8 +44,10 @@ def _small(**extra: Any) -> dict[str, Any]:
 
 
 CONFIGS: dict[str, PretrainedConfig] = {
-    "llama": LlamaConfig(**_small(tie_word_embeddings=False)),
-    "qwen2": Qwen2Config(**_small(tie_word_embeddings=True)),
+    "llama": LlamaConfig(**_small(tie_word_embeddings=False, initializer_range=INIT_RANGE)),
+    "qwen2": Qwen2Config(**_small(tie_word_embeddings=True, initializer_range=INIT_RANGE)),
+    "mistral": MistralConfig(**_small(tie_word_embeddings=False, sliding_window=SLIDING_WINDOW,
+                                      initializer_range=INIT_RANGE)),
     # Multi-head latent attention with a low-rank query (q_lora_rank), and values
     # narrower than keys (v_head_dim 16 vs qk 16 + 8) so a layout mix-up shows;
     # layer 0 dense, MoE with one shared expert after it. 12 experts (more than 10,
@@ -49,11 +61,37 @@ CONFIGS: dict[str, PretrainedConfig] = {
 }
 
 
-def build_tiny(family: str, dest: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Write a random `family` checkpoint with the given tokenizer into `dest`."""
+def build_tiny(family: str, dest: Path, tokenizer_dir: Path, seed: int = 0,
+               initializer_range: float | None = None) -> Path:
+    """Write a random `family` checkpoint with the given tokenizer into `dest`.
+
+    `initializer_range` replaces the family's (INIT_RANGE for the dense ones).
+    """
+    config = CONFIGS[family]
+    if initializer_range is not None:
+        config = type(config)(**{**config.to_dict(), "initializer_range": initializer_range})
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(CONFIGS[family]).save_pretrained(dest)  # type: ignore[no-untyped-call]
+    AutoModelForCausalLM.from_config(config).save_pretrained(dest)  # type: ignore[no-untyped-call]
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, dest / name)
     return dest
+
+
+@torch.inference_mode()
+def historyless_tokens(model_dir: Path, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens when every decode step forgets the KV history: the step sees its own
+    token at its own position and nothing before it.
+
+    A model whose greedy output this does not change would answer the same with
+    a broken KV cache, so a token-exact test on it proves little.
+    """
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    logits = model(torch.tensor([ids])).logits[0, -1]
+    out: list[int] = []
+    while True:
+        out.append(int(logits.argmax()))
+        if len(out) == max_new_tokens:
+            return out
+        position = torch.tensor([[len(ids) + len(out) - 1]])
+        logits = model(torch.tensor([out[-1:]]), position_ids=position).logits[0, -1]
