@@ -76,18 +76,70 @@ class BatchKV:
         return self._current[layer_idx]
 
 
-def causal_mask(start: int, t: int) -> torch.Tensor | None:
-    """What T queries at positions [start, start+T) may see of keys 0..start+T-1.
+def causal_mask(start: int, t: int, window: int | None = None) -> torch.Tensor | None:
+    """What T queries at positions [start, start+T) may see of their keys.
 
-    None where SDPA needs no mask: one query sees every key, and with nothing
-    cached its is_causal triangle (aligned top-left) is right. Else [1, 1, T,
-    start+T] bool: query i sees keys 0..start+i.
+    Without a window the keys are 0..start+T-1, and query i sees keys
+    0..start+i. None where SDPA needs no mask: one query sees every key, and
+    with nothing cached its is_causal triangle (aligned top-left) is right.
+    Else [1, 1, T, start+T] bool.
+
+    With a sliding window W (Mistral, Qwen2's sliding layers) a query at
+    position p sees only keys (p - W, p], as transformers' sliding-window mask
+    has it; the keys are then those from `first_key(start, window)` on, the
+    older ones having left every query's window, and the mask is over them.
     """
-    if start == 0 or t == 1:
-        return None
-    keys = torch.arange(start + t)
+    first = first_key(start, window)
+    keys = torch.arange(first, start + t)
     queries = torch.arange(start, start + t).unsqueeze(1)
-    return (keys <= queries)[None, None]
+    seen = keys <= queries
+    if window is not None:
+        seen &= keys > queries - window
+    if t == 1 and bool(seen.all()):
+        return None
+    if first == 0 and start == 0 and (window is None or t <= window):
+        return None  # plain causal from position 0: SDPA's is_causal
+    return seen[None, None]
+
+
+def first_key(start: int, window: int | None) -> int:
+    """The oldest key a query at `start` or later can see: 0 without a sliding window."""
+    return 0 if window is None else max(0, start - window + 1)
+
+
+def sliding_window(module: nn.Module, kwargs: dict[str, Any]) -> int | None:
+    """The attention layer's sliding window, None for full attention.
+
+    transformers' attention modules pass it as `sliding_window` (None on
+    full-attention layers); a caller that runs the layer's pieces itself (the
+    onnxruntime engine) passes no kwarg, so it is read where the module's
+    own forward reads it: the module (Qwen2: per layer), else its config (Mistral).
+    """
+    if "sliding_window" in kwargs:
+        window = kwargs["sliding_window"]
+    elif hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    else:
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def _attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            start: int, window: int | None, mask: torch.Tensor | None,
+            expand: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """One request's T queries over its keys and values [.., start + T, ..] -> [1, T, h, d_v].
+
+    `mask` is the caller's, used where no window cuts the history.
+    """
+    t = query.shape[2]
+    if window is not None and start + t > window:
+        first = first_key(start, window)
+        key, value = key[:, :, first:], value[:, :, first:]
+        mask = causal_mask(start, t, window)
+    if expand is not None:  # MLA: the cache holds latents
+        key, value = expand(key, value)
+    out: torch.Tensor = sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+    return out
 
 
 def ragged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -98,18 +150,19 @@ def ragged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     query: [1, heads, sum(T), d]. Returns [1, sum(T), heads, d_v] like
     sdpa_attention_forward (d_v = the value head size, which MLA makes smaller than d).
+    A sliding window (see `causal_mask`) limits every query to its last keys.
     """
+    window = sliding_window(module, kwargs)
     if batch_kv is None:
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        return out, None
+        # One request: key holds its whole history, this call's T positions last.
+        start = key.shape[2] - query.shape[2]
+        return _attend(module, query, key, value, start, window, attention_mask, None,
+                       kwargs), None
     history = batch_kv.history(module.layer_idx)  # type: ignore[arg-type]
-    expand = getattr(module, "expand_kv", None)  # MLA: the cache holds latents
-    parts = []
-    for seg, o, (k, v) in zip(batch_kv.segments, batch_kv.offsets, history, strict=True):
-        if expand is not None:
-            k, v = expand(k, v)
-        parts.append(sdpa_attention_forward(module, query[:, :, o:o + seg.length], k, v,
-                                            causal_mask(seg.start, seg.length), **kwargs)[0])
+    expand = getattr(module, "expand_kv", None)
+    parts = [_attend(module, query[:, :, o:o + seg.length], k, v, seg.start, window,
+                     causal_mask(seg.start, seg.length), expand, kwargs)
+             for seg, o, (k, v) in zip(batch_kv.segments, batch_kv.offsets, history, strict=True)]
     return torch.cat(parts, dim=1), None
 
 
