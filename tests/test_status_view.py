@@ -37,6 +37,13 @@ STATUS_CLI_S = 30.0
 EXPECT_S = 15.0
 # Tokens the test request generates, so the coordinator's counter has something to count.
 TOKENS = 8
+# Between the two statuses whose rate is checked: long enough that the clock's
+# resolution does not matter.
+RATE_PAUSE_S = 0.2
+# Agents count as stale (and as dead, to the coordinator) after this long without
+# a heartbeat: far above HEARTBEAT_S, so that a loaded box that delays a few
+# heartbeats does not fail the test; it checks freshness, not staleness.
+LIVENESS_TIMEOUT_S = 30.0
 
 
 class CuttableProxy:
@@ -132,14 +139,16 @@ async def test_will_carries_its_births_bdseq_and_a_reconnect_starts_the_next(
 def test_status_carries_rates_of_its_counters() -> None:
     counters = {"tokens": 0.0, "in_flight": 2.0}
     payload = StatusPayload("coordinator", "coordinator", metrics=lambda: dict(counters))
+    # The rate's interval runs between the clock reads inside the two payload()
+    # calls: it starts after `before`, ends before `after`, and holds the pause.
+    before = time.monotonic()
     first = AgentStatus.model_validate_json(payload("online", 7))
     assert "tokens_per_s" not in first.metrics  # no interval yet
-    started = time.monotonic()
-    time.sleep(0.2)
+    time.sleep(RATE_PAUSE_S)
     counters["tokens"] = 10.0
     second = AgentStatus.model_validate_json(payload("online", 7))
-    elapsed = time.monotonic() - started
-    assert 10.0 / elapsed <= second.metrics["tokens_per_s"] <= 10.0 / 0.2
+    after = time.monotonic()
+    assert 10.0 / (after - before) <= second.metrics["tokens_per_s"] <= 10.0 / RATE_PAUSE_S
     assert second.metrics["in_flight"] == 2.0 and "in_flight_per_s" not in second.metrics
     assert second.bdseq == 7
 
@@ -173,7 +182,7 @@ def agent(data: dict[str, Any], agent_id: str) -> dict[str, Any]:
 async def test_edgebus_status_shows_the_live_plant(tiny_llama: Path, amqtt_broker: AmqttBroker,
                                                    tmp_path: Path) -> None:
     plant = plant_for(tiny_llama, amqtt_broker, [(0, 3), (3, 6)]).model_copy(
-        update={"liveness": Liveness(heartbeat_s=HEARTBEAT_S, timeout_s=10 * HEARTBEAT_S)})
+        update={"liveness": Liveness(heartbeat_s=HEARTBEAT_S, timeout_s=LIVENESS_TIMEOUT_S)})
     plant_path = tmp_path / "plant.yaml"
     write_plant(plant, plant_path)
     async with running(plant):
