@@ -40,19 +40,19 @@ import numpy.typing as npt
 import onnx
 import onnxruntime as ort
 import torch
+import torch.nn.functional as F
 import transformers
-from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from edgebus.errors import EngineError
 from node_agent.blockwise import BlockQuantized
 from node_agent.checkpoint import CheckpointReader, tensor_locations
-from node_agent.engines import onnx_graphs, onnx_weights
+from node_agent.engines import onnx_fusion, onnx_graphs, onnx_weights
 from node_agent.engines.base import StageEngine, StageSlice, module_path
 from node_agent.engines.onnx_graphs import AFTER, BEFORE, HEAD, NORM, PartSpec
 from node_agent.kv_cache import KVCache
-from node_agent.ragged import BatchKV, Segment, ragged_attention
+from node_agent.ragged import BatchKV, Segment, causal_mask
 from plant_config.schema import Device, WeightMode
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ CACHE_DIR = "edgebus-onnx"
 # Written last into a stage's graph directory: its presence means complete.
 MANIFEST = "manifest.json"
 # Bump when the graphs written here change meaning, so cached ones are rebuilt.
-GRAPH_FORMAT = 4
+GRAPH_FORMAT = 6
 MODES: tuple[WeightMode, ...] = ("fp32", "int8", "int4")
 _PROVIDERS: dict[Device, list[str]] = {
     "cpu": ["CPUExecutionProvider"],
@@ -75,6 +75,12 @@ class _Runner:
 
     session: ort.InferenceSession
     inputs: frozenset[str]
+    flat_attn: bool  # takes attention output as [1, T, heads * D], not [1, T, heads, D]
+
+    @classmethod
+    def of(cls, session: ort.InferenceSession) -> _Runner:
+        declared = {i.name: i.shape for i in session.get_inputs()}
+        return cls(session, frozenset(declared), len(declared.get("attn", ())) == 3)
 
     def run(self, feeds: dict[str, npt.NDArray[np.float32]]) -> list[npt.NDArray[np.float32]]:
         out: list[npt.NDArray[np.float32]] = self.session.run(
@@ -107,16 +113,19 @@ class OnnxEngine(StageEngine):
                 dtype=torch.float32)
         decoder = skeleton.get_decoder()
         onnx_graphs.check_supported(self.config, decoder.layers[first])
-        # Attention runs in torch with the layers' own settings (scaling, heads, window);
-        # these modules stay on the meta device: their weights live in the graphs.
-        self.attention = [decoder.layers[i].self_attn for i in range(first, end)]
+        # Attention runs in torch, with each layer's own scaling.
+        self._layers = [_Layer(i, self.config.num_attention_heads,
+                               getattr(self.config, "num_key_value_heads", None)
+                               or self.config.num_attention_heads,
+                               float(decoder.layers[i].self_attn.scaling))
+                        for i in range(first, end)]
         self.rotary_emb = type(decoder.rotary_emb)(config=self.config)
         parts = onnx_graphs.stage_parts(first, end, self.slice.has_head)
         graph_dir = _graphs(model_dir, skeleton, self.slice, parts, weights, progress=progress)
         options = _session_options(self.threads)
-        self._parts = [_Runner(s, frozenset(i.name for i in s.get_inputs())) for s in (
-            ort.InferenceSession(str(graph_dir / p.file_name), options,
-                                 providers=_PROVIDERS[device]) for p in parts)]
+        self._parts = [_Runner.of(ort.InferenceSession(str(graph_dir / p.file_name), options,
+                                                      providers=_PROVIDERS[device]))
+                       for p in parts]
         self._head = self._parts.pop() if self.slice.has_head else None
         self._embedding: torch.Tensor | BlockQuantized | None = None
         if self.slice.has_embedding:
@@ -137,34 +146,43 @@ class OnnxEngine(StageEngine):
     @torch.inference_mode()
     def step(self, xs: list[torch.Tensor], caches: list[KVCache], starts: list[int],
              logits: list[bool] | None = None) -> list[torch.Tensor | None]:
-        batch = BatchKV([Segment(cache, start, x.shape[1])
-                         for x, cache, start in zip(xs, caches, starts, strict=True)])
+        segments = [Segment(cache, start, x.shape[1])
+                    for x, cache, start in zip(xs, caches, starts, strict=True)]
+        offsets = BatchKV(segments).offsets
         x = torch.cat(xs, dim=1)
         h = self._embed(x) if self.slice.has_embedding else x.float()               # [1,ΣT,H]
         positions = torch.cat([torch.arange(s.start, s.start + s.length)
-                               for s in batch.segments]).unsqueeze(0)                  # [1,ΣT]
+                               for s in segments]).unsqueeze(0)                        # [1,ΣT]
         cos, sin = self.rotary_emb(h, positions)                                      # [1,ΣT,D]
-        feeds = {"h": h.numpy(), "cos": cos.numpy(), "sin": sin.numpy()}
+        half = cos.shape[-1] // 2
+        # Both forms of the rotary tables: a fused part takes the halves (onnx_fusion.py).
+        feeds = {"h": h.numpy(), "cos": cos.numpy(), "sin": sin.numpy(),
+                 onnx_fusion.COS_HALF: cos[0, :, :half].contiguous().numpy(),
+                 onnx_fusion.SIN_HALF: sin[0, :, :half].contiguous().numpy(),
+                 onnx_fusion.POSITIONS: torch.arange(positions.shape[1]).unsqueeze(0).numpy()}
         q, k, v = self._parts[0].run(feeds)
-        for attention, part in zip(self.attention, self._parts[1:], strict=True):
-            feeds["attn"] = self._attend(attention, q, k, v, batch)
+        for layer, part in zip(self._layers, self._parts[1:], strict=True):
+            out = self._attend(layer, q, k, v, segments, offsets)              # [1,Hq,ΣT,Dv]
+            transposed = out.transpose(1, 2)                                      # [1,ΣT,Hq,Dv]
+            feeds["attn"] = (transposed.reshape(1, out.shape[2], -1) if part.flat_attn
+                             else transposed.contiguous()).numpy()
             results = part.run(feeds)
             feeds["h"] = results[0]
             if len(results) == 4:
                 q, k, v = results[1:]
         hidden = torch.from_numpy(feeds["h"])                                          # [1,ΣT,H]
-        ends = [o + s.length for o, s in zip(batch.offsets, batch.segments, strict=True)]
+        ends = [o + s.length for o, s in zip(offsets, segments, strict=True)]
         if self._head is None:
-            return [hidden[:, o:e] for o, e in zip(batch.offsets, ends, strict=True)]
+            return [hidden[:, o:e] for o, e in zip(offsets, ends, strict=True)]
         wanted = logits if logits is not None else [True] * len(xs)
         rows = [i for i, want in enumerate(wanted) if want]
-        out: list[torch.Tensor | None] = [None] * len(xs)
+        answer: list[torch.Tensor | None] = [None] * len(xs)
         if rows:
             last = hidden[0, [ends[i] - 1 for i in rows]].contiguous()                # [R,H]
             scores = torch.from_numpy(self._head.run({"h": last.numpy()})[0])            # [R,V]
             for row, i in enumerate(rows):
-                out[i] = scores[row:row + 1]
-        return out
+                answer[i] = scores[row:row + 1]
+        return answer
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, T] -> [1, T, H] fp32."""
@@ -174,17 +192,44 @@ class OnnxEngine(StageEngine):
         assert table is not None
         return table[ids]
 
+    def _attend(self, layer: _Layer, q: npt.NDArray[np.float32], k: npt.NDArray[np.float32],
+                v: npt.NDArray[np.float32], segments: list[Segment], offsets: list[int]
+                ) -> torch.Tensor:
+        """Each request's new keys and values appended to its cache, and its queries
+        attending over its whole history, causal within its new positions.
+
+        q, k, v: [1, ΣT, heads * D] (a fused part) or [1, heads, ΣT, D]. Returns
+        [1, Hq, ΣT, Dv].
+        """
+        query, key, value = (self._heads(torch.from_numpy(a), n) for a, n in (
+            (q, layer.heads), (k, layer.kv_heads), (v, layer.kv_heads)))
+        outs = []
+        for seg, o in zip(segments, offsets, strict=True):
+            keys, values = seg.cache.update(key[:, :, o:o + seg.length],
+                                            value[:, :, o:o + seg.length], layer.index)
+            mask = causal_mask(seg.start, seg.length)
+            outs.append(F.scaled_dot_product_attention(
+                query[:, :, o:o + seg.length], keys, values, attn_mask=mask,
+                is_causal=mask is None and seg.length > 1, scale=layer.scaling,
+                enable_gqa=layer.heads != layer.kv_heads))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
     @staticmethod
-    def _attend(module: nn.Module, q: npt.NDArray[np.float32], k: npt.NDArray[np.float32],
-                v: npt.NDArray[np.float32], batch: BatchKV) -> npt.NDArray[np.float32]:
-        """q [1, Hq, ΣT, D], k/v [1, Hkv, ΣT, D]: append to each request's cache, attend
-        per request -> [1, ΣT, Hq, Dv]."""
-        key, value = torch.from_numpy(k), torch.from_numpy(v)
-        layer: int = module.layer_idx  # type: ignore[assignment]
-        batch.update(key, value, layer)
-        out, _ = ragged_attention(module, torch.from_numpy(q), key, value, None,
-                                  batch_kv=batch, dropout=0.0, scaling=module.scaling)
-        return out.contiguous().numpy()
+    def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+        """[1, T, heads * D] -> a [1, heads, T, D] view; [1, heads, T, D] as it is."""
+        if x.dim() == 4:
+            return x
+        return x.view(1, x.shape[1], heads, -1).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """What attention needs of a decoder layer whose weights live in the graphs."""
+
+    index: int      # global layer number: the KV cache's key
+    heads: int
+    kv_heads: int
+    scaling: float
 
 
 def _session_options(threads: int) -> ort.SessionOptions:
@@ -248,7 +293,10 @@ def _build(model_dir: Path, skeleton: PreTrainedModel, parts: Iterable[PartSpec]
     prefix = module_path(skeleton, decoder)
     head = skeleton.get_output_embeddings()  # type: ignore[no-untyped-call]
     tied = getattr(skeleton.config, "tie_word_embeddings", False)
-    exporter = onnx_graphs.TemplateExporter(skeleton.config, decoder.layers, decoder.norm, head)
+    config = skeleton.config
+    exporter = onnx_graphs.TemplateExporter(config, decoder.layers, decoder.norm, head)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     with CheckpointReader(model_dir, skeleton) as checkpoint:
         for part in parts:
             roles = {BEFORE: f"{prefix}.layers.{part.before}.",
@@ -272,7 +320,9 @@ def _build(model_dir: Path, skeleton: PreTrainedModel, parts: Iterable[PartSpec]
                 name = name_of(role_name)
                 return checkpoint.load([name], torch.float32)[name].numpy()
 
-            graph = onnx_weights.fill(exporter.template(part), matrix, tensor)
+            graph = onnx_fusion.fuse(onnx_weights.fill(exporter.template(part), matrix, tensor),
+                                     heads=config.num_attention_heads, kv_heads=kv_heads,
+                                     head_dim=head_dim)
             onnx.save(graph, str(out / part.file_name), save_as_external_data=True,
                       location=f"{part.file_name}.data", size_threshold=1024)
 
