@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 # oneDNN runs a product of 1 or 2 rows through a slower kernel than 3 to 6
-# rows. Measured here (AVX-512), one thread, SmolLM2's 210 decoder weights:
-# 1 row 30 ms, 2 rows 36 ms, 4 rows 26 ms. Fewer rows are padded with zeros
-# to this many; a whole-model decode step of 1 request went from 50 to 46 ms,
-# of 2 requests from 61 to 48 ms.
+# rows. Measured on an EPYC (AVX-512), one thread, SmolLM2's 210 decoder
+# weights: 1 row 30 ms, 2 rows 36 ms, 4 rows 26 ms. Fewer rows are padded with
+# zeros to this many; a whole-model decode step of 1 request went from 50 to
+# 46 ms, of 2 requests from 61 to 48 ms. Other CPUs differ, so a stage measures
+# it at first load (node_agent/engines/tuning.py): this is the default.
 MIN_ROWS = 4
 # Output rows packed at a time: 4096 x 576 fp32 is 9 MiB of transient memory;
 # every decoder weight of SmolLM2 is one block, the head twelve.
@@ -48,10 +49,12 @@ class PackedLinear(nn.Module):
     """y [..., N] = x [..., K] W^T (+ b), with W held as oneDNN-packed row blocks."""
 
     def __init__(self, rows: Callable[[int, int], torch.Tensor], out_features: int,
-                 bias: torch.Tensor | None) -> None:
-        """`rows(first, end)` gives W[first:end] ([end - first, K] fp32), block by block."""
+                 bias: torch.Tensor | None, min_rows: int = MIN_ROWS) -> None:
+        """`rows(first, end)` gives W[first:end] ([end - first, K] fp32), block by block;
+        products of fewer than `min_rows` rows are padded to it."""
         super().__init__()
         self.out_features = out_features
+        self.min_rows = min_rows
         starts = range(0, out_features, ROWS_PER_BLOCK)
         # Opaque oneDNN tensors: not parameters (they have no storage to share).
         self.blocks = [
@@ -71,11 +74,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] -> [..., N]."""
         rows = x.numel() // x.shape[-1]
-        if rows >= MIN_ROWS:
+        if rows >= self.min_rows:
             return self._product(x)
         # An output row depends on its own input row only: the zero rows change nothing.
         flat = x.reshape(rows, x.shape[-1])                                          # [R,K]
-        padded = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])])  # [MIN_ROWS,K]
+        padded = torch.cat([flat, flat.new_zeros(self.min_rows - rows, flat.shape[1])])  # [m,K]
         return self._product(padded)[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:

@@ -351,12 +351,13 @@ class StageAgent:
 def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:
     """`edgebus node PLANT --id NODE`: load the layers, then serve until SIGTERM."""
     spec = plant.node(node_id)
-    threads = threads or spec.threads
-    if threads:
-        torch.set_num_threads(threads)
 
     async def main(stop: asyncio.Event) -> None:
-        agent = StageAgent(plant, node_id)
+        # Kernel options are measured on this box at the first start (engines/tuning.py).
+        model = load_engine(plant.model, *spec.layers, engine=spec.engine,
+                            weights=spec.weights, device=spec.device,
+                            threads=threads or spec.threads, tune=True)
+        agent = StageAgent(plant, node_id, model=model)
         log.info("stage %s holds layers [%d, %d): %.1f MB of parameters, run by %s", node_id,
                  *spec.layers, agent.model.param_bytes / 1e6, agent.model.describe())
         await agent.serve(stop)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from node_agent.engines.base import StageEngine, StageSlice
+import torch
+
+from node_agent.engines.base import Kernels, StageEngine, StageSlice
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
 
 __all__ = ["StageEngine", "StageSlice", "load_engine"]
@@ -26,12 +28,34 @@ __all__ = ["StageEngine", "StageSlice", "load_engine"]
 
 def load_engine(model_dir: Path, first: int, end: int, *, engine: EngineName = "auto",
                 weights: WeightMode = "fp32", device: Device = "cpu",
-                threads: int | None = None) -> StageEngine:
-    """Layers [first, end) of the model in `model_dir`, loaded by the engine the plant names."""
-    if resolve_engine(engine, weights) == "onnxruntime":
+                threads: int | None = None, tune: bool = False) -> StageEngine:
+    """Layers [first, end) of the model in `model_dir`, loaded by the engine the plant names.
+
+    `threads`: fixed by the plant (None: this process's torch threads, or measured).
+    `tune`: time the kernel options on this box first (node_agent/engines/tuning.py);
+    agents do, tests and tools that compare engines do not.
+    """
+    name = resolve_engine(engine, weights)
+    if tune:
+        from node_agent.engines import tuning
+
+        kernels, how = tuning.choose(model_dir, first, end, name, weights, device, threads)
+    else:
+        kernels, how = Kernels(threads or torch.get_num_threads()), "default"
+    torch.set_num_threads(kernels.threads)
+    stage = build(model_dir, first, end, name, weights, device, kernels)
+    stage.tuned = how
+    return stage
+
+
+def build(model_dir: Path, first: int, end: int, engine: str, weights: WeightMode,
+          device: Device, kernels: Kernels) -> StageEngine:
+    """The `engine` ("torch" or "onnxruntime") for layers [first, end) with `kernels`."""
+    if engine == "onnxruntime":
         from node_agent.engines.onnx_engine import OnnxEngine
 
-        return OnnxEngine(model_dir, first, end, weights=weights, device=device, threads=threads)
+        return OnnxEngine(model_dir, first, end, weights=weights, device=device,
+                          threads=kernels.threads)
     from node_agent.engines.torch_engine import TorchEngine
 
-    return TorchEngine(model_dir, first, end, weights=weights)
+    return TorchEngine(model_dir, first, end, weights=weights, kernels=kernels)

@@ -20,7 +20,22 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from edgebus.errors import CheckpointError
+from node_agent import packed as packed_linear
 from node_agent.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernel options an engine runs with, which a stage may measure at first load
+    (node_agent/engines/tuning.py). Options that do not change what is computed, only
+    how fast: a stage's replicas on different boxes still answer alike."""
+
+    threads: int
+    packed: bool = True   # torch fp32: weights packed for oneDNN (node_agent/packed.py)
+    min_rows: int = packed_linear.MIN_ROWS  # torch fp32, packed: fewer rows padded to this
+
+    def describe(self) -> dict[str, str | int | float]:
+        return {"threads": self.threads, "packed": int(self.packed), "min_rows": self.min_rows}
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,9 @@ class StageEngine(ABC):
     config: PretrainedConfig
     slice: StageSlice
     name: str  # the plant file's `engine:` value that selects this class
+    # How its kernel options were chosen: "measured" or "cached" (tuning.py), "fixed"
+    # (one candidate), or "default".
+    tuned = "default"
 
     @property
     @abstractmethod
@@ -64,10 +82,10 @@ class StageEngine(ABC):
         before the last, of which nothing is sampled).
         """
 
+    @abstractmethod
     def describe(self) -> dict[str, str | int | float]:
-        """What this engine runs, for the agent's status (the plant's `engine: auto` shows
-        what it chose)."""
-        return {"engine": self.name}
+        """What this engine runs, for the agent's status: engine, weights, device and
+        kernel options, and how they were chosen (`tuned`)."""
 
     def prefill(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """T >= 1 new positions [start, start+T) of one request: [1, T, H] hidden states,

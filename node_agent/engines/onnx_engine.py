@@ -141,7 +141,7 @@ class OnnxEngine(StageEngine):
 
     def describe(self) -> dict[str, str | int | float]:
         return {"engine": self.name, "weights": self.weights, "device": self.device,
-                "threads": self.threads}
+                "threads": self.threads, "tuned": self.tuned}
 
     @torch.inference_mode()
     def step(self, xs: list[torch.Tensor], caches: list[KVCache], starts: list[int],

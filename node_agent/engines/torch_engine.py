@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from edgebus.errors import CheckpointError
 from node_agent import memory, packed
 from node_agent.checkpoint import CheckpointReader
-from node_agent.engines.base import StageEngine, StageSlice, module_path
+from node_agent.engines.base import Kernels, StageEngine, StageSlice, module_path
 from node_agent.engines.torch_weights import quantize
 from node_agent.kv_cache import KVCache
 from node_agent.packed import PackedLinear
@@ -48,14 +48,17 @@ class TorchEngine(nn.Module, StageEngine):
     name = "torch"
 
     def __init__(self, model_dir: Path, first: int, end: int,
-                 dtype: torch.dtype = torch.float32, weights: WeightMode = "fp32") -> None:
+                 dtype: torch.dtype = torch.float32, weights: WeightMode = "fp32",
+                 kernels: Kernels | None = None) -> None:
         super().__init__()
         config = AutoConfig.from_pretrained(model_dir)
         self.config: PretrainedConfig = config
         self.slice = StageSlice(first, end, config.num_hidden_layers)
-        self.dtype = dtype
+        self.dtype, self.weights = dtype, weights
+        self.kernels = kernels or Kernels(threads=torch.get_num_threads())
         with memory.loading():
-            self._build(model_dir, pack=weights == "fp32" and packed.available())
+            self._build(model_dir, pack=weights == "fp32" and self.kernels.packed
+                        and packed.available())
             if weights != "fp32":
                 # After _build has returned: the skeleton, which still referenced the
                 # fp32 embedding and head, is gone, so converting frees them.
@@ -116,7 +119,8 @@ class TorchEngine(nn.Module, StageEngine):
                     functools.partial(checkpoint.rows, key, dtype=self.dtype))
             path = name.rpartition(".")[0]
             plain: nn.Linear = module.get_submodule(path)  # type: ignore[assignment]
-            packed_module = PackedLinear(rows, plain.out_features, plain.bias)
+            packed_module = PackedLinear(rows, plain.out_features, plain.bias,
+                                         self.kernels.min_rows)
             if path:
                 parent, _, leaf = path.rpartition(".")
                 setattr(module.get_submodule(parent), leaf, packed_module)
@@ -127,6 +131,10 @@ class TorchEngine(nn.Module, StageEngine):
             raise CheckpointError(f"{checkpoint.model_dir}: no values for {leftover[:5]}: this "
                                   "model family computes tensors at init that edgebus does not "
                                   "rebuild yet")
+
+    def describe(self) -> dict[str, str | int | float]:
+        return {"engine": self.name, "weights": self.weights, "device": "cpu",
+                **self.kernels.describe(), "tuned": self.tuned}
 
     @property
     def param_bytes(self) -> int:
