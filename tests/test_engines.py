@@ -16,7 +16,9 @@ import torch
 from brokers import BrokerHandle
 from pipeline import ask_all, engine_tokens, plant_for, running, stage_model
 from test_pipeline import SMOLLM2_SPLITS, requests
+from tiny_models import build_tiny
 
+from node_agent.engines import load_engine
 from node_agent.engines.onnx_engine import CACHE_DIR
 from node_agent.kv_cache import KVCache
 from plant_config.schema import EngineName, WeightMode
@@ -77,8 +79,6 @@ def test_a_batched_step_computes_each_request_as_alone(smollm2_dir: Path,
 
 
 def test_graphs_are_built_once_and_reused(smollm2_dir: Path) -> None:
-    from node_agent.engines import load_engine
-
     load_engine(smollm2_dir, 28, 30, engine="onnxruntime", weights="int4")
     built = sorted((smollm2_dir / CACHE_DIR).glob("layers-28-30-int4-*"))
     assert len(built) == 1
@@ -86,3 +86,29 @@ def test_graphs_are_built_once_and_reused(smollm2_dir: Path) -> None:
     load_engine(smollm2_dir, 28, 30, engine="onnxruntime", weights="int4")
     assert sorted((smollm2_dir / CACHE_DIR).glob("layers-28-30-int4-*")) == built
     assert {f.name: f.stat().st_mtime_ns for f in built[0].iterdir()} == before
+
+
+def test_onnx_honours_a_sliding_window(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A tiny Mistral (window 8) past its window: onnxruntime fp32 computes what torch does,
+    alone and batched, and the window changes the answer (else the test proves nothing)."""
+    mistral = build_tiny("mistral", tmp_path, smollm2_dir)
+    ids = torch.arange(200, 230).unsqueeze(0)                                         # [1,30]
+    torch_fp32 = stage_model(mistral, 0, 6, "fp32", "torch")
+    onnx_fp32 = stage_model(mistral, 0, 6, "fp32", "onnxruntime")
+    reference = torch_fp32.prefill(ids, KVCache(), 0)
+    assert (onnx_fp32.prefill(ids, KVCache(), 0) - reference).abs().max() \
+        < 1e-3 * reference.abs().max()
+    caches = [KVCache(), KVCache()]
+    torch_fp32.prefill(ids[:, :20], caches[0], 0)
+    onnx_fp32.prefill(ids[:, :20], caches[1], 0)
+    batched = onnx_fp32.step([ids[:, 20:], torch.tensor([[5]])], [KVCache(), caches[1]],
+                             [0, 20])
+    alone = torch_fp32.step([torch.tensor([[5]])], [caches[0]], [20])[0]
+    assert batched[1] is not None and alone is not None
+    assert (batched[1] - alone).abs().max() < 1e-3 * alone.abs().max()
+    unwindowed = load_engine(mistral, 0, 6, engine="torch")
+    unwindowed.config.sliding_window = None
+    for layer in unwindowed.layers:
+        layer.self_attn.config.sliding_window = None
+    assert (unwindowed.prefill(ids, KVCache(), 0) - reference).abs().max() \
+        > 1e-2 * reference.abs().max()

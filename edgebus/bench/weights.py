@@ -1,18 +1,20 @@
-"""Weight modes side by side: speed, memory and quality of fp32, bf16 and int8 stages.
+"""Engines and weight modes side by side: speed, memory and quality of each.
 
     python -m edgebus.bench.weights [--out docs/weight-modes.md]
 
-The whole demo model (SmolLM2-135M-Instruct) runs as one stage (`TorchEngine`)
-in each mode, on 2 torch threads:
+The whole demo model (SmolLM2-135M-Instruct) runs as one stage in each
+variant (an engine and a weight mode, node_agent/engines/), on one thread:
 
-- decode tokens/s of a single stream after a 64-token prompt, the modes taking
-  turns so that other work on the cores weighs on all of them alike;
+- decode tokens/s of a single stream after a 64-token prompt, the variants
+  taking turns so that other work on the cores weighs on all of them alike;
 - the stage's resident memory above an idle process's, measured in a child
-  process per mode (the weights are all the stage holds before it runs);
-- greedy agreement with fp32: the fraction of generated tokens equal to fp32's
-  at the same position, over fixed chat prompts of 32 tokens each (a token
-  after the first difference is compared in a different context, so this
-  counts how long outputs stay the same as much as how often);
+  process per variant, for the whole model and for a middle stage (layers
+  10-19: no embedding, no head);
+- greedy agreement with torch fp32 (the reference, token-exact against
+  `generate`): the fraction of generated tokens equal to its at the same
+  position, over fixed chat prompts of 32 tokens each (a token after the first
+  difference is compared in a different context, so this counts how long
+  outputs stay the same as much as how often);
 - perplexity of a fixed English text, every token predicted by decode steps
   (teacher forcing), the path a stage runs in production.
 """
@@ -36,12 +38,13 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from edgebus.model_import import ensure_demo_model
-from node_agent.engines.torch_engine import TorchEngine
-from node_agent.engines.torch_weights import WEIGHT_MODES
+from node_agent.engines import StageEngine, load_engine
+from node_agent.engines.tuning import cpu_model
 from node_agent.kv_cache import KVCache
-from plant_config.schema import WeightMode
+from plant_config.schema import EngineName, WeightMode
 
-THREADS = 2             # the cores of this box; a stage on its own box uses all of them
+THREADS = 1             # as the issue's measurements: kernels compared, not cores
+MIDDLE = (10, 20)       # a stage with neither end: its weights are decoder layers only
 PROMPT_TOKENS = 64      # a short chat's worth of history
 WARMUP_STEPS = 4        # first calls pay for allocation and lazy initialisation
 # The modes take turns for a few short rounds and each keeps its best: the cores
@@ -83,67 +86,90 @@ _RSS_CHILD = """
 import json, sys
 from pathlib import Path
 import torch
-from node_agent.engines.torch_engine import TorchEngine
+from node_agent.engines import load_engine
 
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS"):
             return int(line.split()[1]) * 1024
 
-model_dir, weights, first, end = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-TorchEngine(model_dir, 1, 2, weights=weights)  # pay for imports and lazy initialisation first
+model_dir, engine, weights = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+first, end = int(sys.argv[4]), int(sys.argv[5])
+load_engine(model_dir, 1, 2, engine=engine, weights=weights, threads=1)  # imports, lazy init
 base = rss()
-stage = TorchEngine(model_dir, first, end, weights=weights)
-# Every weight resident (fp32 ones are memory-mapped). max, not sum: an int8 sum
-# makes int64 temporaries that would count as the stage's memory.
-assert all(bool(p.max().isfinite()) for p in stage.parameters())
+stage = load_engine(model_dir, first, end, engine=engine, weights=weights, threads=1)
+if isinstance(stage, torch.nn.Module):
+    # Every weight resident. max, not sum: an int8 sum makes int64 temporaries that
+    # would count as the stage's memory. (ONNX Runtime holds its weights loaded.)
+    assert all(bool(p.max().isfinite()) for p in stage.parameters())
 print(json.dumps({"grown": rss() - base}))
 """
 
 
 @dataclass(frozen=True)
-class ModeResult:
-    mode: WeightMode
+class Variant:
+    """An engine and weight mode, on the fp32 import or on a GGUF import that kept its blocks."""
+
+    engine: EngineName
+    weights: WeightMode
+    kept_gguf: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.weights}" + (" (GGUF blocks kept)" if self.kept_gguf
+                                                  else "")
+
+
+VARIANTS = (Variant("torch", "fp32"), Variant("torch", "bf16"), Variant("torch", "int8"),
+            Variant("onnxruntime", "fp32"), Variant("onnxruntime", "int8"),
+            Variant("onnxruntime", "int4"), Variant("onnxruntime", "int4", kept_gguf=True))
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    variant: Variant
     tokens_per_s: float
-    rss_bytes: int
+    rss_bytes: int               # the whole model as one stage, above an idle process
+    middle_rss_bytes: int        # layers MIDDLE
     weight_bytes: int
-    agreement: tuple[int, int]   # tokens equal to fp32's, tokens compared
+    agreement: tuple[int, int]   # tokens equal to torch fp32's, tokens compared
     perplexity: float
 
 
-def stage_rss(model_dir: Path, weights: WeightMode, first: int, end: int) -> int:
+def stage_rss(model_dir: Path, variant: Variant, first: int, end: int) -> int:
     """Bytes a process's resident memory grows by when it loads the stage [first, end)."""
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(model_dir), weights,
-                          str(first), str(end)], check=True, capture_output=True, text=True,
-                         timeout=300).stdout
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(model_dir), variant.engine,
+                          variant.weights, str(first), str(end)], check=True,
+                         capture_output=True, text=True, timeout=600).stdout
     grown: int = json.loads(out.strip().splitlines()[-1])["grown"]
     return grown
 
 
-def decode_tokens_per_s(models: dict[WeightMode, TorchEngine]) -> dict[WeightMode, float]:
+def decode_tokens_per_s(models: dict[Variant, StageEngine]) -> dict[Variant, float]:
     """Best single-stream decode rate of each model over interleaved rounds."""
-    caches = {mode: KVCache() for mode in models}
+    caches = {variant: KVCache() for variant in models}
     positions = dict.fromkeys(models, PROMPT_TOKENS)
     token = torch.tensor([[100]])
 
-    def steps(mode: WeightMode, count: int) -> None:
+    def steps(variant: Variant, count: int) -> None:
         for _ in range(count):
-            models[mode].decode(token, [caches[mode]], [positions[mode]])
-            positions[mode] += 1
+            models[variant].decode(token, [caches[variant]], [positions[variant]])
+            positions[variant] += 1
 
-    for mode, model in models.items():
-        model.prefill(torch.arange(100, 100 + PROMPT_TOKENS).unsqueeze(0), caches[mode], 0)
-        steps(mode, WARMUP_STEPS)
+    for variant, model in models.items():
+        model.prefill(torch.arange(100, 100 + PROMPT_TOKENS).unsqueeze(0), caches[variant], 0)
+        steps(variant, WARMUP_STEPS)
     best = dict.fromkeys(models, 0.0)
     for _ in range(TIMING_ROUNDS):
-        for mode in models:
+        for variant in models:
             started = time.perf_counter()
-            steps(mode, STEPS_PER_ROUND)
-            best[mode] = max(best[mode], STEPS_PER_ROUND / (time.perf_counter() - started))
+            steps(variant, STEPS_PER_ROUND)
+            best[variant] = max(best[variant],
+                                STEPS_PER_ROUND / (time.perf_counter() - started))
     return best
 
 
-def greedy(model: TorchEngine, prompt: list[int]) -> list[int]:
+def greedy(model: StageEngine, prompt: list[int]) -> list[int]:
     cache = KVCache()
     logits = model.prefill(torch.tensor([prompt]), cache, 0)                          # [1,V]
     tokens: list[int] = []
@@ -153,7 +179,7 @@ def greedy(model: TorchEngine, prompt: list[int]) -> list[int]:
     return tokens
 
 
-def perplexity(model: TorchEngine, ids: list[int]) -> float:
+def perplexity(model: StageEngine, ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ids[1:], each predicted from the ones before it."""
     cache = KVCache()
     logits = model.prefill(torch.tensor([ids[:1]]), cache, 0)                         # [1,V]
@@ -171,38 +197,49 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def measure(model_dir: Path) -> list[ModeResult]:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+def measure(model_dirs: dict[bool, Path]) -> list[VariantResult]:
+    """Every variant whose model directory is in `model_dirs` (by `kept_gguf`)."""
+    variants = [v for v in VARIANTS if v.kept_gguf in model_dirs]
+    fp32_dir = model_dirs[False]
+    tokenizer = AutoTokenizer.from_pretrained(fp32_dir)
     prompts = [_chat_ids(tokenizer, p) for p in AGREEMENT_PROMPTS]
     text_ids: list[int] = tokenizer(PERPLEXITY_TEXT)["input_ids"]
-    layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    models = {mode: TorchEngine(model_dir, 0, layers, weights=mode) for mode in WEIGHT_MODES}
+    layers = AutoConfig.from_pretrained(fp32_dir).num_hidden_layers
+    models = {v: load_engine(model_dirs[v.kept_gguf], 0, layers, engine=v.engine,
+                             weights=v.weights, threads=THREADS) for v in variants}
     speed = decode_tokens_per_s(models)
-    reference = [greedy(models["fp32"], prompt) for prompt in prompts]
+    reference = [greedy(models[VARIANTS[0]], prompt) for prompt in prompts]
     results = []
-    for mode, model in models.items():
+    for variant, model in models.items():
         outputs = [greedy(model, prompt) for prompt in prompts]
         same = sum(a == b for out, ref in zip(outputs, reference, strict=True)
                    for a, b in zip(out, ref, strict=True))
-        result = ModeResult(mode=mode, tokens_per_s=speed[mode],
-                            rss_bytes=stage_rss(model_dir, mode, 0, layers),
-                            weight_bytes=model.param_bytes,
-                            agreement=(same, len(prompts) * AGREEMENT_TOKENS),
-                            perplexity=perplexity(model, text_ids))
+        model_dir = model_dirs[variant.kept_gguf]
+        result = VariantResult(variant=variant, tokens_per_s=speed[variant],
+                               rss_bytes=stage_rss(model_dir, variant, 0, layers),
+                               middle_rss_bytes=stage_rss(model_dir, variant, *MIDDLE),
+                               weight_bytes=model.param_bytes,
+                               agreement=(same, len(prompts) * AGREEMENT_TOKENS),
+                               perplexity=perplexity(model, text_ids))
         print(result, flush=True)
         results.append(result)
     return results
 
 
-def table(results: list[ModeResult]) -> str:
+def table(results: list[VariantResult]) -> str:
     base = results[0]
-    lines = ["| weights | decode tok/s | stage RSS above idle | weight bytes | greedy tokens equal "
-             "to fp32's | perplexity |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| engine and weights | decode tok/s | stage RSS above idle, whole model | "
+             f"stage RSS above idle, layers {MIDDLE[0]}-{MIDDLE[1] - 1} | weight bytes | "
+             "greedy tokens equal to torch fp32's | perplexity |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         same, total = r.agreement
         lines.append(
-            f"| {r.mode} | {r.tokens_per_s:.1f} ({r.tokens_per_s / base.tokens_per_s:.2f}x) "
+            f"| {r.variant.label} "
+            f"| {r.tokens_per_s:.1f} ({r.tokens_per_s / base.tokens_per_s:.2f}x) "
             f"| {r.rss_bytes / 2**20:.0f} MiB ({r.rss_bytes / base.rss_bytes:.2f}x) "
+            f"| {r.middle_rss_bytes / 2**20:.0f} MiB "
+            f"({r.middle_rss_bytes / base.middle_rss_bytes:.2f}x) "
             f"| {r.weight_bytes / 2**20:.0f} MiB | {same}/{total} ({same / total:.0%}) "
             f"| {r.perplexity:.3f} ({(r.perplexity / base.perplexity - 1) * 100:+.2f} %) |")
     return "\n".join(lines)
@@ -213,51 +250,75 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/weight-modes.md"))
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
-    model_dir = ensure_demo_model()
+    model_dirs = {False: ensure_demo_model(), **_kept_import()}
     # The cores may be shared: the load says how much, tok/s ratios within a run still hold.
     load = os.getloadavg()[0]
-    results = measure(model_dir)
-    text_tokens = len(AutoTokenizer.from_pretrained(model_dir)(PERPLEXITY_TEXT)["input_ids"])
+    results = measure(model_dirs)
+    text_tokens = len(AutoTokenizer.from_pretrained(model_dirs[False])(PERPLEXITY_TEXT)[
+        "input_ids"])
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    args.out.write_text(
+    args.out.write_text(_document(results, stamp, load, text_tokens))
+    print(f"wrote {args.out}")
+
+
+def _kept_import() -> dict[bool, Path]:
+    """The demo GGUF imported with its blocks kept, if this edgebus can (keyed True)."""
+    from edgebus import model_import
+
+    keep = getattr(model_import, "ensure_kept_demo_model", None)
+    return {} if keep is None else {True: keep()}
+
+
+def _document(results: list[VariantResult], stamp: str, load: float, text_tokens: int) -> str:
+    return (
         "# Weight modes\n\n"
-        "A stage's weights can be kept in fp32 (the default), bf16 or int8; the plant file "
-        "chooses per node (`weights:` in [plant-file.md](plant-file.md), or "
-        "`edgebus init ... --weights`). Measured by `python -m edgebus.bench.weights` on "
-        f"{stamp}, {THREADS} torch threads, the whole SmolLM2-135M-Instruct as one stage "
-        f"(load average {load:.1f} on {os.cpu_count()} cores when it started: compare tok/s "
-        "within the table, not across runs).\n\n"
+        "A stage's weights can be kept in fp32 (the default), bf16, int8 or int4, and run by "
+        "the torch or the onnxruntime engine; the plant file chooses per node (`weights:` and "
+        "`engine:` in [plant-file.md](plant-file.md), or `edgebus init ... --weights`). "
+        f"Measured by `python -m edgebus.bench.weights` on {stamp} on {cpu_model()}, "
+        f"{THREADS} thread, the whole SmolLM2-135M-Instruct as one stage (load average "
+        f"{load:.1f} on {os.cpu_count()} cores when it started: compare tok/s within the "
+        "table, not across runs).\n\n"
         f"{table(results)}\n\n"
-        f"- decode tok/s: one stream after a {PROMPT_TOKENS}-token prompt; the modes take "
+        f"- decode tok/s: one stream after a {PROMPT_TOKENS}-token prompt; the variants take "
         f"{TIMING_ROUNDS} turns of {STEPS_PER_ROUND} steps and each keeps its best turn.\n"
         "- stage RSS above idle: how much a process's resident memory grows when it loads the "
-        "stage (in a child process per mode); weight bytes: what the tensors themselves take. "
-        "fp32 holds the tied embedding/head matrix twice here, because this stage has both "
-        "ends: plain for the embedding, packed for oneDNN for the head "
-        "([stage-compute.md](stage-compute.md)); a stage with one end holds it once.\n"
+        "stage (in a child process per variant), for the whole model and for a stage with "
+        "neither end (no embedding, no head); weight bytes: what the tensors (torch) or the "
+        "graphs' files (onnxruntime) hold. A whole-model stage holds the tied embedding/head "
+        "matrix twice in torch fp32 (plain for the embedding, packed for oneDNN for the head) "
+        "and in onnxruntime (a lookup table beside the head's graph).\n"
         f"- greedy tokens: {len(AGREEMENT_PROMPTS)} fixed chat prompts, {AGREEMENT_TOKENS} "
-        "tokens each, compared position by position with fp32's.\n"
+        "tokens each, compared position by position with torch fp32's.\n"
         f"- perplexity: a fixed {text_tokens}-token English text built into the benchmark, "
         "every token scored by a decode step.\n\n"
-        "How each mode works (`node_agent/engines/torch_weights.py`): bf16 stores every Linear, the "
-        "embedding and each MoE expert's matrices in bf16 and runs those matmuls in bf16; "
-        "int8 stores them as int8 with one bf16 scale per output row and runs torch's "
-        "`aten._weight_int8pack_mm` on bf16 activations. Norms, the MoE router and the KV "
-        "cache stay fp32. Only fp32 is token-exact against `generate`, which is why it is "
-        "the default.\n\n"
-        "Paths tried for int8 and not taken, measured on this CPU: optimum-quanto qint8 "
-        "(12.6 tok/s against 30 for fp32 on an earlier run); `_weight_int8pack_mm` with fp32 "
-        "or fp16 activations (10-16x slower per matmul than with bf16 here); int8 "
-        "dequantized to bf16 before each matmul (3x slower than fp32); torch.ao dynamic "
-        "quantization (fast, but it also quantizes activations to 8 bits, which changed the "
-        "first greedy token on an earlier run, and torch.ao.quantization is deprecated).\n\n"
-        "int4 is not offered: fake-quantized to 4 bits (groups of 32, asymmetric) in every "
-        "Linear layer, SmolLM2's perplexity on the same text rose 8.6 % (35.28 against 32.48), "
-        "and torch's `aten._weight_int4pack_mm_for_cpu` was only ~1.3x faster than the int8 "
-        "kernel per matmul here.\n\n"
-        "Reproduce: `python -m edgebus.bench.weights` (about 3 minutes on an idle 2-core box, "
-        "twice that with the cores shared; the demo model is imported on first use).\n")
-    print(f"wrote {args.out}")
+        "How each works. torch (`node_agent/engines/torch_weights.py`): bf16 stores every "
+        "Linear, the embedding and each MoE expert's matrices in bf16 and runs those matmuls "
+        "in bf16; int8 stores them as int8 with one bf16 scale per output row and runs "
+        "torch's `aten._weight_int8pack_mm` on bf16 activations. onnxruntime "
+        "(`node_agent/engines/onnx_weights.py`): ONNX Runtime's `MatMulNBits` on blocks of 32 "
+        "weights with int8 activations (accuracy level 4); int8 is symmetric 8-bit codes, "
+        "int4 is 4-bit codes spanning each block's [min, max] with a float minimum, as "
+        "GGUF's Q4_1, and keeps the embedding and the LM head at 8 bits as llama.cpp does. "
+        "Norms and the KV cache stay fp32 everywhere. Only torch fp32 is token-exact against "
+        "`generate`, which is why it is the default; every other variant is token-exact "
+        "against itself in one process through any split (tests/test_engines.py).\n\n"
+        "About the int4 perplexity: SmolLM2's fp32 import is itself the bundled Q4_1 GGUF "
+        "dequantized, so int4 with a float minimum per block nearly finds that grid again. A "
+        "model trained in fp32 loses more. Measured on this model, rounding the minimum to an "
+        "integer zero point instead (ONNX Runtime's own quantizer) cost +29 % perplexity, "
+        "symmetric 4-bit codes +25 %; that is why int4 keeps the minimum, at 4 extra small "
+        "operators per product.\n\n"
+        "Paths tried for int8 on torch and not taken: optimum-quanto qint8 (12.6 tok/s "
+        "against 30 for fp32 on an earlier run); `_weight_int8pack_mm` with fp32 or fp16 "
+        "activations (10-16x slower per matmul than with bf16); int8 dequantized to bf16 "
+        "before each matmul (3x slower than fp32); torch.ao dynamic quantization (it also "
+        "quantizes activations to 8 bits per tensor, and torch.ao.quantization is "
+        "deprecated). For int4 on torch, `aten._weight_int4pack_mm_for_cpu` was only ~1.3x "
+        "faster than the int8 kernel per matmul here.\n\n"
+        "Reproduce: `python -m edgebus.bench.weights` (about 10 minutes on an idle 2-core "
+        "box; the demo model is imported on first use, and the first load of each "
+        "onnxruntime variant builds its graphs).\n")
 
 
 if __name__ == "__main__":

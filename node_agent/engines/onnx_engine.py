@@ -52,7 +52,7 @@ from node_agent.engines import onnx_fusion, onnx_graphs, onnx_weights
 from node_agent.engines.base import StageEngine, StageSlice, module_path
 from node_agent.engines.onnx_graphs import AFTER, BEFORE, HEAD, NORM, PartSpec
 from node_agent.kv_cache import KVCache
-from node_agent.ragged import BatchKV, Segment, causal_mask
+from node_agent.ragged import BatchKV, Segment, causal_mask, first_key, sliding_window
 from plant_config.schema import Device, WeightMode
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class OnnxEngine(StageEngine):
         self._layers = [_Layer(i, self.config.num_attention_heads,
                                getattr(self.config, "num_key_value_heads", None)
                                or self.config.num_attention_heads,
-                               float(decoder.layers[i].self_attn.scaling))
+                               float(decoder.layers[i].self_attn.scaling),
+                               sliding_window(decoder.layers[i].self_attn, {}))
                         for i in range(first, end)]
         self.rotary_emb = type(decoder.rotary_emb)(config=self.config)
         parts = onnx_graphs.stage_parts(first, end, self.slice.has_head)
@@ -141,7 +142,7 @@ class OnnxEngine(StageEngine):
 
     def describe(self) -> dict[str, str | int | float]:
         return {"engine": self.name, "weights": self.weights, "device": self.device,
-                "threads": self.threads, "tuned": self.tuned}
+                "threads": self.threads, "tuned": self.tuned, "weight_bytes": self.param_bytes}
 
     @torch.inference_mode()
     def step(self, xs: list[torch.Tensor], caches: list[KVCache], starts: list[int],
@@ -207,9 +208,11 @@ class OnnxEngine(StageEngine):
         for seg, o in zip(segments, offsets, strict=True):
             keys, values = seg.cache.update(key[:, :, o:o + seg.length],
                                             value[:, :, o:o + seg.length], layer.index)
-            mask = causal_mask(seg.start, seg.length)
+            first = first_key(seg.start, layer.window)  # keys older than every window: unread
+            mask = causal_mask(seg.start, seg.length, layer.window)
             outs.append(F.scaled_dot_product_attention(
-                query[:, :, o:o + seg.length], keys, values, attn_mask=mask,
+                query[:, :, o:o + seg.length], keys[:, :, first:], values[:, :, first:],
+                attn_mask=mask,
                 is_causal=mask is None and seg.length > 1, scale=layer.scaling,
                 enable_gqa=layer.heads != layer.kv_heads))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -230,6 +233,7 @@ class _Layer:
     heads: int
     kv_heads: int
     scaling: float
+    window: int | None  # a sliding window's width (Mistral), None for full attention
 
 
 def _session_options(threads: int) -> ort.SessionOptions:

@@ -134,7 +134,7 @@ class TorchEngine(nn.Module, StageEngine):
 
     def describe(self) -> dict[str, str | int | float]:
         return {"engine": self.name, "weights": self.weights, "device": "cpu",
-                **self.kernels.describe(), "tuned": self.tuned}
+                **self.kernels.describe(), "tuned": self.tuned, "weight_bytes": self.param_bytes}
 
     @property
     def param_bytes(self) -> int:
