@@ -194,9 +194,12 @@ def _ask(args: argparse.Namespace) -> None:
 
 
 def _import_gguf(args: argparse.Namespace) -> None:
-    from edgebus.model_import import import_gguf
+    from edgebus.model_import import import_gguf, import_summary
 
-    print(f"imported into {import_gguf(Path(args.src), Path(args.dest))}")
+    dest = import_gguf(Path(args.src), Path(args.dest), keep_quantized=args.keep_quantized)
+    print(f"imported into {dest}")
+    if args.keep_quantized:
+        print(import_summary(dest))
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -307,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     q = model_sub.add_parser("import-gguf", help="convert a GGUF file to an HF safetensors dir")
     q.add_argument("src")
     q.add_argument("dest")
+    q.add_argument("--keep-quantized", action="store_true",
+                   help="store Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices as their GGUF blocks "
+                        "(about 1/5 the size of fp32; edgebus stages run them, transformers cannot "
+                        "load them); other tensors are dequantized to fp32")
     q.set_defaults(run=_import_gguf)
 
     p = sub.add_parser("demo", help="import the bundled model, start a 3-stage plant, ask")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,38 @@ def _byte_level_alphabet() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def write_tiny_gguf(path: Path, *, arch: str = "llama", embedding_type: str = "F32") -> Path:
+# Byte offsets of each block's fp16 scale fields (d, and m or dmin), by GGML type.
+HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+               "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, *,
+                  scale: float = 1e-3) -> np.ndarray:
+    """Raw GGUF bytes [rows, bytes a row] of random blocks of `qtype` (codes and 6-bit
+    sub-scales at random), fp16 scale fields set to finite normal values times `scale`:
+    how to get K-quant blocks, which gguf-py cannot quantize."""
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, (rows, cols // block_weights, block_bytes), dtype=np.uint8)
+    for offset in HALF_FIELDS[qtype]:
+        half = (rng.standard_normal(raw.shape[:2]) * scale).astype(np.float16)
+        raw[..., offset:offset + 2] = half[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(path: Path, *, arch: str = "llama", embedding_type: str = "F32",
+                    matrix_types: Mapping[str, str] | None = None, hidden: int = 64,
+                    ffn: int = 128) -> Path:
     """A 2-layer Llama GGUF with a byte-level BPE tokenizer and a chat template.
 
     `embedding_type` is the GGML type of the embedding, quantized by gguf-py
     ("Q8_0", "Q4_1", ...); "Q8_1", a type gguf-py cannot dequantize, is stored as zeros.
+    `matrix_types` gives other matrices a GGML type by GGUF name
+    ({"blk.0.attn_q.weight": "Q4_K"}; F32 otherwise): quantized by gguf-py where it
+    can, random blocks (`random_blocks`) where it cannot (K-quants). K-quants need rows
+    of a multiple of 256 weights: give `hidden` and `ffn` accordingly.
     """
-    hidden, layers, ffn, heads, kv_heads = 64, 2, 128, 4, 2
+    layers, heads, kv_heads = 2, 4, 2
+    matrix_types = dict(matrix_types or {})
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = [*specials, *_byte_level_alphabet(), "he"]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -82,7 +108,17 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", embedding_type: str = "F
     rng = np.random.default_rng(0)
 
     def add(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+        qtype = matrix_types.pop(name, "F32")
+        values = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        if qtype == "F32":
+            writer.add_tensor(name, values)
+            return
+        ggml_type = gguf.GGMLQuantizationType[qtype]
+        try:
+            raw = gguf.quants.quantize(values, ggml_type)
+        except NotImplementedError:
+            raw = random_blocks(rng, qtype, *shape)
+        writer.add_tensor(name, raw, raw_dtype=ggml_type)
 
     if embedding_type == "F32":
         add("token_embd.weight", len(tokens), hidden)
@@ -107,6 +143,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", embedding_type: str = "F
         add(f"blk.{i}.ffn_up.weight", ffn, hidden)
         add(f"blk.{i}.ffn_down.weight", hidden, ffn)
     add("output_norm.weight", hidden)  # no output.weight: the head is tied to the embedding
+    assert not matrix_types, f"no such tensors in the tiny model: {sorted(matrix_types)}"
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
