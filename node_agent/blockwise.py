@@ -17,6 +17,11 @@ applies to fp32 weights (`node_agent/engines/onnx_weights.py`):
 | Q4_K  | 32    | 4    | 0    | -dmin*m | yes, the 6-bit sub-block scales multiplied out |
 | Q6_K  | 16    | 8    | 32   | none    | yes, 6-bit codes held in 8 bits |
 
+"Maps losslessly" means the blocks dequantize, in float32, to the very bits
+gguf-py's dequantization gives (the values transformers reads from the GGUF):
+tests/test_keep_quantized.py checks each type so, and `edgebus model
+import-gguf --keep-quantized` checks every matrix it keeps again.
+
 Q4_1 and Q4_K add a float `minimum` per block: an integer zero point cannot
 hold it (m / d is not an integer), so requantizing to one would round every
 block a second time. The ONNX Runtime engine runs the minimum as its own
