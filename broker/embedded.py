@@ -8,7 +8,8 @@ it: amqtt speaks MQTT 3.1.1 only and keeps nothing across a restart.
 
 Every client is admitted, without credentials, unless the plant has a
 `security:` section: then `broker.amqtt_security` admits only its identities,
-each confined to its topics. It listens without TLS.
+each confined to its topics. Admitting everyone, it listens on the loopback
+only (`broker.exposure`). It listens without TLS.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from amqtt.errors import BrokerError
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
+from broker.exposure import refuse_open_listener
 from edgebus import sd_notify
 from edgebus.errors import BusError
 
@@ -145,10 +147,13 @@ class EmbeddedBroker:
         self.host = host
         self.port = port
         # None: admit everyone; `broker.amqtt_security.plugins_for(plant)` secures it.
+        self.secured = plugins is not None
         self.plugins = _PLUGINS if plugins is None else plugins
         self._broker: Broker | None = None
 
     async def __aenter__(self) -> EmbeddedBroker:
+        refuse_open_listener(self.host, self.port, secured=self.secured,
+                             what="the embedded MQTT broker")
         _quiet_amqtt()
         listener = ListenerConfig(type=ListenerType.TCP, bind=f"{self.host}:{self.port}")
         config = BrokerConfig(listeners={_LISTENER_NAME: listener}, plugins=self.plugins)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from broker.exposure import refuse_open_listener
 from edgebus.errors import EdgebusError
 from edgebus.processes import LOOPBACK, child_setup, free_port
 
@@ -73,6 +74,9 @@ class MosquittoProcess:
         self._binary = binary
         self.host = host
         self.port = port if port is not None else free_port(host)
+        # Its own listener admits anyone: loopback only. An include_dir brings a
+        # secured listener (`edgebus broker mosquitto-config`).
+        refuse_open_listener(host, self.port, secured=include_dir is not None, what="mosquitto")
         self.workdir = workdir
         self.persistence = persistence
         self.autosave_interval = autosave_interval

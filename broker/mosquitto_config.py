@@ -22,7 +22,7 @@ from broker.acl import access_rules, bridge_topics
 from broker.passwd import hash_password, password_file
 from edgebus.errors import EdgebusError
 from plant_config import Plant
-from plant_config.credentials import SECRET_MODE, ensure_passwords
+from plant_config.credentials import SECRET_DIR_MODE, SECRET_MODE, ensure_passwords, password_path
 from plant_config.schema import BrokerSettings, BrokerTls
 
 CONF_NAME = "mosquitto.conf"
@@ -141,7 +141,7 @@ def write_mosquitto_config(plant: Plant, outdir: Path, *, broker: str | None = N
             conf += _bridge(plant, broker)
         files[CONF_NAME] = "\n".join(conf) + "\n"
         files[ACL_NAME] = acl_text(plant)
-    outdir.mkdir(parents=True, exist_ok=True)
+    outdir.mkdir(mode=SECRET_DIR_MODE, parents=True, exist_ok=True)
     return [_write_secret(outdir / name, text) for name, text in files.items()]
 
 
@@ -152,3 +152,27 @@ def _write_secret(path: Path, text: str) -> Path:
     with os.fdopen(fd, "w", encoding="utf-8") as file:
         file.write(text)
     return path
+
+
+def write_credentials(plant: Plant) -> list[Path]:
+    """A password for every identity of `plant` that has none, and for the embedded broker
+    the password file it checks them against (`security.password_file`).
+
+    What `edgebus init` runs after writing a secured plant file: an embedded
+    plant is then ready for `edgebus up`; a Mosquitto needs its files from
+    `edgebus broker mosquitto-config` (which reads the same passwords).
+    Returns the files it wrote; existing passwords are kept.
+    """
+    security = plant.security
+    if security is None:
+        raise EdgebusError("the plant file has no security: section, so there are no "
+                           "identities to make passwords for")
+    made = [password_path(security.credentials, identity) for identity in plant.identities()
+            if not password_path(security.credentials, identity).exists()]
+    if security.password_file is None:
+        ensure_passwords(security.credentials, plant.identities())
+        return made
+    if security.password_file.name != PASSWD_NAME:
+        raise EdgebusError(f"security.password_file is {security.password_file}; edgebus writes "
+                           f"it as {PASSWD_NAME}: name OUTDIR/{PASSWD_NAME} there")
+    return [*made, *write_mosquitto_config(plant, security.password_file.parent)]

@@ -15,6 +15,7 @@ from typing import get_args
 
 from edgebus.errors import EdgebusError
 from plant_config.examples import EXAMPLES
+from plant_config.loader import DEFAULT_GATEWAYS
 from plant_config.schema import Plant, WeightMode
 
 # `edgebus init`'s stage count without --stages or --example: the demo's split.
@@ -22,26 +23,52 @@ _DEFAULT_STAGES = 3
 
 
 def _init(args: argparse.Namespace) -> None:
+    from broker.mosquitto_config import write_credentials
     from plant_config import init_plant_file
 
+    gateways = _gateways(args.gateways)
     if args.example is not None:
-        plant = _init_example(args)
+        plant = _init_example(args, gateways)
     else:
         # None checks, not `or`: an explicit --stages 0 must get its error, not the default.
         plant = init_plant_file(
             args.plant, args.model,
             stages=_DEFAULT_STAGES if args.stages is None else args.stages,
             broker=args.broker or "embedded", topic_root=args.topic_root, force=args.force,
-            replicas=1 if args.replicas is None else args.replicas, weights=args.weights)
+            replicas=1 if args.replicas is None else args.replicas, weights=args.weights,
+            secure=not args.insecure, gateways=gateways)
     print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers")
     for stage in plant.pipeline:
         print(f"  layers [{stage.layers[0]}, {stage.layers[1]}): {', '.join(stage.node_ids)}")
+    if plant.security is None:
+        print("security: none (--insecure): the broker admits anyone who reaches it, so it "
+              "listens on the loopback only, and every agent warns at start")
+        return
+    security = plant.security
+    written = write_credentials(plant)
+    passwords = [path for path in written if path.parent == security.credentials]
+    others = "".join(f" and {path}" for path in written if path not in passwords)
+    print(f"wrote {len(passwords)} passwords (mode 600) into {security.credentials}{others}")
+    print(f"security: every agent, gateway ({', '.join(security.gateways)}) and ops tool "
+          f"({', '.join(security.ops)}) logs in as itself with its own password; the broker "
+          "admits nobody else")
+    if not plant.broker.embedded:
+        print(f"the broker at {plant.broker.url} must check them: on its box run `edgebus "
+              f"broker mosquitto-config {args.plant} OUTDIR` (docs/deploy.md, 'Securing the "
+              "broker')")
 
 
-def _init_example(args: argparse.Namespace) -> Plant:
+def _gateways(text: str) -> list[str]:
+    gateways = [name.strip() for name in text.split(",") if name.strip()]
+    if not gateways:
+        raise EdgebusError("--gateways names no gateway: give at least one id, e.g. plc-1")
+    return gateways
+
+
+def _init_example(args: argparse.Namespace, gateways: list[str]) -> Plant:
     from node_agent.profile import model_costs
     from plant_config.examples import example_plant
-    from plant_config.loader import write_new_plant
+    from plant_config.loader import with_security, write_new_plant
 
     if args.stages is not None or args.replicas is not None:
         raise EdgebusError(f"--example {args.example} sets the stages itself — drop --stages "
@@ -49,6 +76,8 @@ def _init_example(args: argparse.Namespace) -> Plant:
     costs, _, _ = model_costs(Path(args.model).expanduser().resolve())
     plant = example_plant(args.example, args.model, costs, broker=args.broker,
                           topic_root=args.topic_root, weights=args.weights)
+    if not args.insecure:
+        plant = with_security(plant, Path(args.plant).resolve().parent, gateways=gateways)
     return write_new_plant(plant, args.plant, force=args.force)
 
 
@@ -74,17 +103,23 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _node(args: argparse.Namespace) -> None:
+    from node_agent.runtime import warn_if_insecure
     from node_agent.stage import run_stage
     from plant_config import load_plant
 
-    run_stage(load_plant(args.plant), args.id, threads=args.threads)
+    plant = load_plant(args.plant)
+    warn_if_insecure(plant, args.id, args.plant)
+    run_stage(plant, args.id, threads=args.threads)
 
 
 def _coordinator(args: argparse.Namespace) -> None:
     from node_agent.coordinator import run_coordinator
+    from node_agent.runtime import warn_if_insecure
     from plant_config import load_plant
 
-    run_coordinator(load_plant(args.plant), batch_groups=args.batch_groups)
+    plant = load_plant(args.plant)
+    warn_if_insecure(plant, plant.coordinator.id, args.plant)
+    run_coordinator(plant, batch_groups=args.batch_groups)
 
 
 # `edgebus broker PLANT` runs the embedded broker; `edgebus broker mosquitto-config PLANT
@@ -103,6 +138,7 @@ def _broker(args: argparse.Namespace) -> None:
                            f"{MOSQUITTO_CONFIG} PLANT OUTDIR` writes a Mosquitto config")
     from broker.amqtt_security import plugins_for
     from broker.embedded import run_broker_forever
+    from broker.exposure import refuse_open_listener
     from plant_config import load_plant
 
     plant = load_plant(args.plant)
@@ -110,6 +146,9 @@ def _broker(args: argparse.Namespace) -> None:
     if not settings.embedded:
         raise EdgebusError(f"{args.plant} uses the broker at {settings.url}; `edgebus broker` "
                            "runs only the embedded one (broker.url: embedded)")
+    refuse_open_listener(settings.bind or settings.host, settings.port,
+                         secured=plant.security is not None,
+                         what=f"{args.plant}: the embedded broker")
     run_broker_forever(settings.bind or settings.host, settings.port,
                        plugins_for(plant) if plant.security is not None else None)
 
@@ -246,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=get_args(WeightMode), default="fp32",
                    help="weight mode of every node (default fp32, the only token-exact one; "
                         "see docs/weight-modes.md)")
+    p.add_argument("--gateways", default=",".join(DEFAULT_GATEWAYS), metavar="IDS",
+                   help="comma-separated ids of the PLC/SCADA gateways that may ask, each "
+                        f"with a password of its own (default {','.join(DEFAULT_GATEWAYS)})")
+    p.add_argument("--insecure", action="store_true",
+                   help="no security: section: the broker admits anyone (so it listens on the "
+                        "loopback only); without it every agent, gateway and the ops tools "
+                        "get an identity and a password in credentials/ beside the plant file")
     p.set_defaults(run=_init)
 
     p = sub.add_parser("plan", help="split the layers over the plant's boxes: fastest that fits")

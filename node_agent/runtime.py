@@ -111,10 +111,29 @@ async def publish_event(bus: BusClient, topics: Topics, event: Event) -> None:
         await bus.publish(topics.events, event.model_dump_json(), qos=0)
 
 
-def run_agent(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(stop)` until it returns; SIGINT/SIGTERM set `stop` for a clean exit."""
+def configure_logging() -> None:
+    """Log to stderr (the journal, under systemd) at $EDGEBUS_LOG (default INFO); once."""
     logging.basicConfig(level=os.environ.get("EDGEBUS_LOG", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def warn_if_insecure(plant: Plant, agent_id: str, source: str | os.PathLike[str]) -> None:
+    """Log one warning when the plant has no `security:` section: anyone may use its broker."""
+    if plant.security is not None:
+        return
+    configure_logging()
+    endpoint = plant.broker_of(agent_id).endpoint()
+    log.warning(
+        "%s: security is off: %s has no security: section, so the broker at %s:%d lets any "
+        "client that reaches it read every prompt and answer, forge activation frames and "
+        "answers, and fake statuses. Write the plant file with `edgebus init` without "
+        "--insecure, or add a security: section (docs/plant-file.md, 'Security and line "
+        "brokers').", agent_id, os.fspath(source), endpoint.host, endpoint.port)
+
+
+def run_agent(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run `main(stop)` until it returns; SIGINT/SIGTERM set `stop` for a clean exit."""
+    configure_logging()
 
     async def wrapper() -> None:
         stop = asyncio.Event()

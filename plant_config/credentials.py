@@ -22,6 +22,8 @@ SUFFIX = ".password"
 _PASSWORD_BYTES = 32
 # Owner read/write only: a secret readable by others is a secret shared with them.
 SECRET_MODE = 0o600
+# A directory of secrets: its owner may list and enter it, nobody else.
+SECRET_DIR_MODE = 0o700
 
 
 def password_path(directory: Path, identity: str) -> Path:
@@ -56,7 +58,9 @@ def ensure_passwords(directory: Path, identities: Iterable[str]) -> dict[str, st
     Existing files are kept, so regenerating the broker config does not change
     the password of a box that already has its file.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    # Owner only: the directory lists the identities, and holds every secret on
+    # the box where they are made.
+    directory.mkdir(mode=SECRET_DIR_MODE, parents=True, exist_ok=True)
     result: dict[str, str] = {}
     for identity in identities:
         path = password_path(directory, identity)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,21 @@ _TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 
 _HEADER = """\
 # edgebus plant file: which node runs which layers of which model, and where the broker is.
-# Every agent reads this same file; a relative model: path is relative to this file.
+# Every agent reads this same file; relative paths (model:, security:) are relative to it.
 # layers: [first, last + 1] - [0, 10] means layers 0-9. Optional per stage: threads: N.
 # weights: fp32 (token-exact, the default), bf16 or int8 (less memory; docs/weight-modes.md).
+# security: every agent, gateway and ops tool logs in as its own identity with the password
+# in credentials/<identity>.password; without it the broker admits anyone (docs/plant-file.md).
 """
+# Where `edgebus init` puts the plant's secrets, relative to the plant file:
+# beside it, so the plant file and its credentials move together.
+CREDENTIALS_DIR = "credentials"
+# The embedded broker's password file (hashes only), relative to the plant file.
+PASSWORD_FILE = "broker/passwd"
+# The identities `edgebus init` names besides the agents: one PLC gateway,
+# which `edgebus ask` uses, and the read-only ops identity of `edgebus status` and `up`.
+DEFAULT_GATEWAYS = ("plc-1",)
+DEFAULT_OPS = ("ops",)
 
 
 def load_plant(path: str | os.PathLike[str]) -> Plant:
@@ -67,6 +79,11 @@ def write_plant(plant: Plant, path: str | os.PathLike[str]) -> None:
     if plant.broker.password is not None:
         # The plant file is where the password lives; model_dump masked it.
         data["broker"]["password"] = plant.broker.password.get_secret_value()
+    if plant.security is not None:
+        data["security"]["credentials"] = _path_for_file(plant.security.credentials, home)
+        if plant.security.password_file is not None:
+            data["security"]["password_file"] = _path_for_file(plant.security.password_file,
+                                                                home)
     text = _HEADER + yaml.dump(data, Dumper=_PlantDumper, sort_keys=False, allow_unicode=True)
     try:
         target.write_text(text, encoding="utf-8")
@@ -105,12 +122,43 @@ def make_plant(model_dir: str | os.PathLike[str], *, stages: int = 3, broker: st
 
 def init_plant_file(path: str | os.PathLike[str], model_dir: str | os.PathLike[str], *,
                     stages: int = 3, broker: str = "embedded", topic_root: str | None = None,
-                    force: bool = False, replicas: int = 1,
-                    weights: WeightMode = "fp32") -> Plant:
-    """Make a plant for `model_dir`, write it to `path` and return it as agents will load it."""
-    return write_new_plant(make_plant(model_dir, stages=stages, broker=broker,
-                                      topic_root=topic_root, replicas=replicas, weights=weights),
-                           path, force=force)
+                    force: bool = False, replicas: int = 1, weights: WeightMode = "fp32",
+                    secure: bool = True,
+                    gateways: Sequence[str] = DEFAULT_GATEWAYS) -> Plant:
+    """Make a plant for `model_dir`, write it to `path` and return it as agents will load it.
+
+    `secure`: with a `security:` section (see `with_security`); the passwords
+    themselves are made by `broker.mosquitto_config.write_credentials`.
+    """
+    plant = make_plant(model_dir, stages=stages, broker=broker, topic_root=topic_root,
+                       replicas=replicas, weights=weights)
+    if secure:
+        plant = with_security(plant, Path(path).resolve().parent, gateways=gateways)
+    return write_new_plant(plant, path, force=force)
+
+
+def with_security(plant: Plant, home: Path, *, gateways: Sequence[str] = DEFAULT_GATEWAYS,
+                  ops: Sequence[str] = DEFAULT_OPS) -> Plant:
+    """`plant` with a `security:` section: an identity per agent, per gateway and per ops tool,
+    their passwords in `home/credentials`, and (embedded broker) the hashes in `home/broker`.
+
+    A broker URL's shared user name and password are refused: every identity
+    logs in as itself instead.
+    """
+    if plant.broker.username is not None or plant.broker.password is not None:
+        raise PlantConfigError("the broker URL carries a user name and password, which every "
+                               "agent would share; with security each identity logs in as "
+                               "itself — remove user:password@ from the URL, or keep the shared "
+                               "login without security (`edgebus init --insecure`)")
+    security = {"credentials": home / CREDENTIALS_DIR, "gateways": list(gateways),
+                "ops": list(ops),
+                "password_file": home / PASSWORD_FILE if plant.broker.embedded else None}
+    data = plant.model_dump(exclude_unset=True)
+    data["security"] = security
+    try:
+        return Plant.model_validate(data)
+    except ValidationError as exc:
+        raise plant_error(None, from_validation_error(exc, Plant)) from None
 
 
 def write_new_plant(plant: Plant, path: str | os.PathLike[str], *, force: bool = False) -> Plant:

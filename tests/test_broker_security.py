@@ -18,6 +18,7 @@ import contextlib
 import logging
 import secrets
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -29,20 +30,21 @@ from pathlib import Path
 import aiomqtt
 import pytest
 import trustme
+import yaml
 from brokers import AmqttBroker, BrokerHandle, MosquittoBroker
 from certs import broker_tls
 from pipeline import reference_tokens, running
 
 from broker.amqtt_security import plugins_for
+from broker.embedded import EmbeddedBroker
 from broker.mosquitto_config import write_mosquitto_config
 from broker.passwd import hash_password, verify_password
 from edgebus.ask import ask
-from edgebus.cli import main
 from edgebus.client import BusClient
-from edgebus.errors import BusError, PlantConfigError
-from edgebus.messages import GenerateRequest, GenerateResponse
+from edgebus.errors import BusError, EdgebusError, PlantConfigError
+from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
 from edgebus.processes import LOOPBACK, free_port
-from plant_config import BrokerSettings, Plant, StageSpec, make_plant, write_plant
+from plant_config import BrokerSettings, Plant, StageSpec, load_plant
 from plant_config.credentials import password_path
 from plant_config.schema import BrokerTls, Security
 
@@ -305,18 +307,30 @@ async def _retained_as_ops(plant: Plant) -> dict[str, str]:
 UP_S = 90.0
 
 
-async def test_edgebus_up_runs_behind_a_secured_embedded_broker(tiny_llama: Path,
-                                                                tmp_path: Path) -> None:
-    """The operator's path: plant file, `broker mosquitto-config`, `up`, `ask` as a gateway."""
-    plant = make_plant(tiny_llama, stages=2, plant_id="secup")
-    plant = plant.model_copy(update={
-        "broker": plant.broker.model_copy(update={"host": LOOPBACK, "port": free_port()}),
-        "security": Security(credentials=tmp_path / "credentials", gateways=["plc-1"],
-                             ops=["ops"], password_file=tmp_path / "broker" / "passwd")})
-    plant_path = tmp_path / "plant.yaml"
-    write_plant(plant, plant_path)
-    main(["broker", "mosquitto-config", str(plant_path), str(tmp_path / "broker")])
-    assert [p.name for p in (tmp_path / "broker").iterdir()] == ["passwd"]
+def edgebus(*args: str) -> subprocess.CompletedProcess[str]:
+    """`edgebus ARGS` as an operator types it."""
+    return subprocess.run([sys.executable, "-m", "edgebus", *args], capture_output=True,
+                          text=True, timeout=UP_S)
+
+
+def init_plant(tmp_path: Path, model: Path, *extra: str, **broker: object) -> Path:
+    """`edgebus init` (2 stages), then the embedded broker moved off 1883 (where a Mosquitto
+    or another test may listen) to a free loopback port, with `broker` fields added."""
+    path = tmp_path / "plant.yaml"
+    done = edgebus("init", str(path), "--model", str(model), "--stages", "2", *extra)
+    assert done.returncode == 0, done.stderr
+    data = yaml.safe_load(path.read_text())
+    data["broker"].update({"port": free_port(LOOPBACK), **broker})
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+async def test_a_fresh_init_and_up_admit_the_plants_identities_and_nobody_else(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """The operator's path, nothing configured by hand: `init`, `up`, `ask`, `status`."""
+    plant_path = init_plant(tmp_path, tiny_llama)
+    plant = load_plant(plant_path)
+    assert plant.security is not None and plant.security.gateways == ["plc-1"]
     with (tmp_path / "up.log").open("wb") as log:
         up = subprocess.Popen([sys.executable, "-m", "edgebus", "up", str(plant_path)],
                               stdout=log, stderr=subprocess.STDOUT)
@@ -327,18 +341,74 @@ async def test_edgebus_up_runs_behind_a_secured_embedded_broker(tiny_llama: Path
             while "is up" not in (tmp_path / "up.log").read_text():
                 assert up.poll() is None, (tmp_path / "up.log").read_text()
                 await asyncio.sleep(0.1)
-        asker = await asyncio.create_subprocess_exec(
+        # Anonymous, or a gateway with another's password: refused in the CONNACK.
+        for identity, password in [(None, None), ("plc-1", plant.endpoint_for("ops").password)]:
+            with pytest.raises(aiomqtt.MqttCodeError):
+                async with login(plant, identity, password):
+                    pass
+        anonymous = await asyncio.create_subprocess_exec(
+            "mosquitto_sub", "-h", LOOPBACK, "-p", str(plant.broker.port), "-t", "#", "-C", "1",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(anonymous.communicate(), UP_S)
+        assert anonymous.returncode != 0 and out == b"", err
+        # The gateway's own identity gets in, and reads what it may.
+        async with login(plant, "plc-1") as gateway:
+            await gateway.subscribe(plant.topics.status(plant.coordinator.id), qos=1)
+            status = AgentStatus.model_validate_json(
+                (await first_message(gateway)).payload)
+            assert status.state == "online"
+        # `ask` and `status` log in with the plant file's credentials, as plc-1 and ops.
+        asked = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "edgebus", "ask", str(plant_path), "Alarm 4711 means",
             "--raw", "--max-tokens", "5", "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(asker.communicate(), UP_S)
-        assert asker.returncode == 0, err.decode() + (tmp_path / "up.log").read_text()
-        with pytest.raises(aiomqtt.MqttCodeError):
-            async with login(plant, None):
-                pass
+        out, err = await asyncio.wait_for(asked.communicate(), UP_S)
+        assert asked.returncode == 0, err.decode() + (tmp_path / "up.log").read_text()
+        status_done = await asyncio.to_thread(edgebus, "status", str(plant_path))
+        assert status_done.returncode == 0, status_done.stdout + status_done.stderr
+        assert "missing" not in status_done.stdout and "stage-1" in status_done.stdout
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(UP_S)
     response = GenerateResponse.model_validate_json(out)
     assert response.tokens == reference_tokens(
         tiny_llama, GenerateRequest(id="x", prompt="Alarm 4711 means", max_tokens=5))
+    assert "security is off" not in (tmp_path / "up.log").read_text()
+
+
+ALL_INTERFACES = "0.0.0.0"
+
+
+async def test_a_listener_beyond_the_loopback_without_security_does_not_start(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    plant_path = init_plant(tmp_path, tiny_llama, "--insecure", bind=ALL_INTERFACES)
+    plant = load_plant(plant_path)
+    assert plant.security is None
+    port = plant.broker.port
+    for command in ("broker", "up"):
+        done = edgebus(command, str(plant_path))
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"would listen on {ALL_INTERFACES}:{port}" in done.stderr
+        assert "security:" in done.stderr and "broker.bind: 127.0.0.1" in done.stderr
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((LOOPBACK, port), timeout=WAIT_S).close()
+    assert "started" not in done.stdout  # `up` started nothing
+    # The same for the embedded broker and a test's Mosquitto, used as libraries.
+    with pytest.raises(EdgebusError, match="admit anyone"):
+        async with EmbeddedBroker(ALL_INTERFACES, port):
+            pass
+    with pytest.raises(EdgebusError, match="admit anyone"):
+        MosquittoBroker(tmp_path / "mosquitto", host=ALL_INTERFACES)
+
+
+async def test_a_secured_embedded_broker_may_listen_beyond_the_loopback(tmp_path: Path) -> None:
+    plant = secured_plant(tmp_path, "embedded", mqtt5=False)
+    write_mosquitto_config(plant, tmp_path / "conf")
+    port = free_port(LOOPBACK)
+    async with EmbeddedBroker(ALL_INTERFACES, port, plugins_for(plant)):
+        plant = plant.model_copy(update={"broker": BrokerSettings(port=port)})
+        with pytest.raises(aiomqtt.MqttCodeError):
+            async with login(plant, None):
+                pass
+        async with login(plant, "ops"):
+            pass
