@@ -11,6 +11,16 @@ No orphans: every child asks the kernel for SIGTERM when its parent dies
 (PR_SET_PDEATHSIG), so a SIGKILLed `up` takes its children with it; and every
 child runs in its own session, so a terminal's Ctrl-C reaches `up` alone,
 which then stops the agents in order.
+
+`up` supervises as systemd's `Restart=on-failure` would on a real plant: an
+agent (or the embedded broker) that crashes or is killed is reported, with
+how it died, and started again after a backoff, while the rest keep serving,
+so a standby takes over the dead node's requests. It stops everything only on
+Ctrl-C or SIGTERM, or when one agent keeps dying (RESTART_LIMIT times within
+RESTART_WINDOW_S). An agent that dies before it ever came online is not
+restarted: nothing it ran has worked yet, which is a configuration problem
+(a bad plant file, a missing password file) that a restart would repeat, so
+`up` stops with that agent's last output.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from typing import IO, Literal, TextIO
 import aiomqtt
 from pydantic import ValidationError
 
+from broker.exposure import refuse_open_listener
 from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
 from edgebus.messages import AgentStatus
@@ -61,6 +72,17 @@ _TAIL_BYTES = 64 * 1024
 # How long one broker probe waits for a CONNACK.
 _PROBE_TIMEOUT_S = 1.0
 BROKER_NAME = "broker"
+# A dead agent starts again after this, doubled for each earlier death within
+# RESTART_WINDOW_S (1, 2, 4, 8 s), as systemd's RestartSec= with RestartSteps=
+# does: the first restart is quick, so a standby's load falls back soon, and a
+# crash loop does not hog a box that is loading models.
+RESTART_DELAY_S = 1.0
+RESTART_MAX_DELAY_S = 30.0
+# An agent that dies this often within RESTART_WINDOW_S is given up on, and `up`
+# stops the plant: systemd's StartLimitBurst=5, over a minute rather than its
+# 10 s, because each restart here reloads a model for seconds.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 60.0
 
 # Forwarded child lines are written whole, one at a time, so they never interleave.
 _OUTPUT_LOCK = threading.Lock()
@@ -80,6 +102,12 @@ class _Child:
     proc: subprocess.Popen[bytes] | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     readers: list[threading.Thread] = field(default_factory=list)
+    # Supervision (`edgebus up`): whether any of its processes came online,
+    # when it died within the restart window, and when it is due to start again.
+    ever_online: bool = False
+    deaths: deque[float] = field(default_factory=deque)
+    restart_at: float | None = None
+    given_up: bool = False  # exited cleanly: left stopped, as systemd would
 
 
 class PlantProcesses:
@@ -100,6 +128,10 @@ class PlantProcesses:
         command = [sys.executable, "-m", "edgebus"]
         children: list[_Child] = []
         if plant.broker.embedded:
+            settings = plant.broker
+            refuse_open_listener(settings.bind or settings.host, settings.port,
+                                 secured=plant.security is not None,
+                                 what=f"{plant_path}: the embedded broker")
             if any(stage.node == BROKER_NAME for stage in plant.stages):
                 raise EdgebusError(f"{plant_path}: a stage node is named {BROKER_NAME!r}, the "
                                    "name `edgebus up` gives the embedded broker: rename the node")
@@ -168,6 +200,7 @@ class PlantProcesses:
                     self._check_broker_port()
                     self._spawn(child)
                     self._wait_broker(child)
+                    child.ever_online = True
                 else:
                     self._spawn(child)
         except BaseException:
@@ -183,47 +216,29 @@ class PlantProcesses:
         does not. `on_online(agent_id)` is called as each one comes up.
         Raises EdgebusError if a child exits meanwhile, or at `timeout`.
         """
-        waiting = {c.name: c.proc.pid for c in self._children
-                   if c.role != "broker" and c.proc is not None}
-        topics = self.plant.topics
-
-        def on_message(message: aiomqtt.Message) -> None:
-            if not isinstance(message.payload, bytes | str):
-                return
-            try:
-                status = AgentStatus.model_validate_json(message.payload)
-            except ValidationError:
-                return  # not an agent status, so nothing to wait for
-            if status.state == "online" and waiting.get(status.agent_id) == status.pid:
-                del waiting[status.agent_id]
-                if on_online is not None:
-                    on_online(status.agent_id)
-
-        endpoint = self.plant.ops_endpoint()
-        bus = BusClient(endpoint, f"{self.plant.plant_id}.up-{secrets.token_hex(4)}",
-                        subscriptions=[(topics.status_filter, 1)])
-        runner = asyncio.create_task(bus.run(on_message))
-        connected = asyncio.create_task(bus.wait_connected())
-        deadline = time.monotonic() + timeout
-        try:
+        async with StatusWatch(self) as watch:
+            waiting = set(self.agents)
+            deadline = time.monotonic() + timeout
             while waiting:
                 dead = self.poll()
                 if dead is not None:
                     raise EdgebusError(f"{self.describe_exit(dead[0])} before the plant came "
                                        f"online.\n{self._tail_report(dead[0])}")
-                if runner.done():
-                    runner.result()  # a refused connection (credentials) ends here: raise it
+                watch.check()
+                for agent in sorted(waiting & watch.online()):
+                    waiting.discard(agent)
+                    if on_online is not None:
+                        on_online(agent)
                 if time.monotonic() > deadline:
-                    missing = ", ".join(waiting)
-                    why = ("" if connected.done() else f" (could not connect to the broker at "
-                           f"{endpoint.host}:{endpoint.port} to watch {topics.status_filter})")
-                    logs = "" if self.log_dir is None else f"; their logs are in {self.log_dir}"
-                    raise EdgebusError(f"not online after {timeout:.0f} s: {missing}{why}{logs}")
+                    raise EdgebusError(self._not_online(waiting, timeout, watch))
                 await asyncio.sleep(POLL_INTERVAL_S)
-        finally:
-            for task in (runner, connected):
-                task.cancel()
-            await asyncio.gather(runner, connected, return_exceptions=True)
+
+    def _not_online(self, waiting: set[str], timeout: float, watch: StatusWatch) -> str:
+        endpoint = watch.bus.endpoint
+        why = ("" if watch.bus.connected else f" (could not connect to the broker at "
+               f"{endpoint.host}:{endpoint.port} to watch {self.plant.topics.status_filter})")
+        logs = "" if self.log_dir is None else f"; their logs are in {self.log_dir}"
+        return f"not online after {timeout:.0f} s: {', '.join(sorted(waiting))}{why}{logs}"
 
     def poll(self) -> tuple[str, int] | None:
         """(name, exit code) of the first child found exited, or None while all run."""
@@ -242,9 +257,20 @@ class PlantProcesses:
                 how = f"was killed by {signal.Signals(-code).name}"
             except ValueError:
                 how = f"was killed by signal {-code}"
+        elif code == 0:
+            how = "exited cleanly (code 0)"
         else:
             how = f"exited with code {code}"
         return f"{name} (pid {proc.pid}) {how}"
+
+    def restart(self, name: str) -> int:
+        """Start a new process for `name`, whose last one has exited; return its pid."""
+        child = self._by_name(name)
+        assert child.proc is not None and child.proc.poll() is not None
+        child.readers = [reader for reader in child.readers if reader.is_alive()]
+        self._spawn(child)
+        assert child.proc is not None
+        return child.proc.pid
 
     def stop(self) -> None:
         """SIGTERM the agents, SIGKILL those still running after STOP_GRACE_S, then the broker.
@@ -353,6 +379,64 @@ class PlantProcesses:
         return f"Last lines of its output{full}:\n{body}"
 
 
+class StatusWatch:
+    """The plant's retained statuses, watched as its ops identity while `async with` lasts.
+
+    An agent counts as online while its newest status says "online" and
+    carries the pid of the process running it now: a status retained by an
+    earlier run, or by the process a restart replaced, does not count.
+    """
+
+    def __init__(self, processes: PlantProcesses) -> None:
+        self.processes = processes
+        # Agent id -> pid of its newest status if that says online, else None, and
+        # the MQTT session (bdseq) of that status: a Will the broker publishes
+        # late, after the restarted agent's birth, belongs to an older session.
+        self._pids: dict[str, int | None] = {}
+        self._bdseq: dict[str, int] = {}
+        plant = processes.plant
+        self.bus = BusClient(plant.ops_endpoint(), f"{plant.plant_id}.up-{secrets.token_hex(4)}",
+                             subscriptions=[(plant.topics.status_filter, 1)])
+        self._runner: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> StatusWatch:
+        self._runner = asyncio.create_task(self.bus.run(self._on_message))
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+
+    def _on_message(self, message: aiomqtt.Message) -> None:
+        if not isinstance(message.payload, bytes | str):
+            return
+        try:
+            status = AgentStatus.model_validate_json(message.payload)
+        except ValidationError:
+            return  # not an agent status, so nothing to watch
+        if status.bdseq < self._bdseq.get(status.agent_id, 0):
+            return
+        self._bdseq[status.agent_id] = status.bdseq
+        self._pids[status.agent_id] = status.pid if status.state == "online" else None
+
+    def check(self) -> None:
+        """Raise what ended the watch: a refused connection (credentials, ACL) ends it."""
+        if self._runner is not None and self._runner.done():
+            self._runner.result()
+            raise EdgebusError("the status watch ended unexpectedly")
+
+    def online(self) -> set[str]:
+        """The agents online now, in the process running them now."""
+        found = set()
+        for name, pid in self.processes.pids.items():
+            if pid is not None and self._pids.get(name) == pid:
+                found.add(name)
+                self.processes._by_name(name).ever_online = True
+        return found
+
+
 def _terminate(children: list[_Child]) -> None:
     """SIGTERM `children` together, wait up to STOP_GRACE_S, SIGKILL the rest."""
     running = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
@@ -408,9 +492,10 @@ def _mqtt_accepts(host: str, port: int) -> bool:
 def run_up(plant_path: Path) -> int:
     """`edgebus up PLANT`: start the plant, report it online, keep it running until told to stop.
 
-    Returns 0 after SIGINT/SIGTERM (everything stopped cleanly) and 1 when a
-    child died while the plant was up. A failure to come online raises
-    EdgebusError (with the culprit's last output), after stopping the rest.
+    A dead agent is restarted (see the module's docstring). Returns 0 after
+    SIGINT/SIGTERM (everything stopped cleanly) and 1 when an agent kept dying.
+    A failure to come online raises EdgebusError (with the culprit's last
+    output), after stopping the rest.
     """
     with PlantProcesses(plant_path) as plant:
         return asyncio.run(_up(plant))
@@ -434,35 +519,81 @@ async def _up(plant: PlantProcesses) -> int:
             print("edgebus up: stopped", flush=True)
 
 
+def _say(text: str, *, error: bool = False) -> None:
+    print(f"edgebus up: {text}", file=sys.stderr if error else sys.stdout, flush=True)
+
+
 async def _serve(plant: PlantProcesses, stop: asyncio.Event) -> int:
     started = time.monotonic()
     plant.start()
-    pids = plant.pids
-    print(f"edgebus up: started {', '.join(f'{n} (pid {p})' for n, p in pids.items())}; "
-          f"waiting for {len(plant.agents)} agents to load and come online", flush=True)
-
-    def online(agent: str) -> None:
-        print(f"edgebus up: {agent} online after {time.monotonic() - started:.1f} s", flush=True)
-
-    ready = asyncio.create_task(plant.wait_online(READY_TIMEOUT_S, on_online=online))
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait([ready, stopper], return_when=asyncio.FIRST_COMPLETED)
-    if stop.is_set():
-        ready.cancel()
-        await asyncio.gather(ready, return_exceptions=True)
-        return 0
-    stopper.cancel()
-    ready.result()  # raises EdgebusError if the plant did not come online
-    print(_table(plant), flush=True)
-    while not stop.is_set():
-        dead = plant.poll()
-        if dead is not None:
-            print(f"edgebus up: {plant.describe_exit(dead[0])}; stopping the rest",
-                  file=sys.stderr, flush=True)
-            return 1
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), POLL_INTERVAL_S)
+    _say(f"started {', '.join(f'{n} (pid {p})' for n, p in plant.pids.items())}; "
+         f"waiting for {len(plant.agents)} agents to load and come online")
+    deadline = started + READY_TIMEOUT_S
+    up = False
+    async with StatusWatch(plant) as watch:
+        seen_online: dict[str, int] = {}  # agent -> pid last reported online
+        while not stop.is_set():
+            now = time.monotonic()
+            code = _supervise(plant, now)
+            if code is not None:
+                return code
+            watch.check()
+            online = watch.online()
+            for agent in sorted(online):
+                pid = plant.pids[agent]
+                if seen_online.get(agent) != pid:
+                    again = " again" if agent in seen_online else ""
+                    seen_online[agent] = pid
+                    _say(f"{agent} online{again} after {now - started:.1f} s (pid {pid})")
+            if not up and online >= set(plant.agents):
+                up = True
+                print(_table(plant), flush=True)
+            if not up and now > deadline:
+                raise EdgebusError(plant._not_online(set(plant.agents) - online,
+                                                     READY_TIMEOUT_S, watch))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), POLL_INTERVAL_S)
     return 0
+
+
+def _supervise(plant: PlantProcesses, now: float) -> int | None:
+    """Report children that died and restart those due; 1 once one keeps dying, else None.
+
+    Raises EdgebusError for a child that died before it ever came online.
+    """
+    for child in plant._children:
+        proc = child.proc
+        if proc is None or child.given_up:
+            continue
+        if child.restart_at is None and proc.poll() is not None:
+            how = plant.describe_exit(child.name)
+            if not child.ever_online:
+                raise EdgebusError(f"{how} before it came online.\n"
+                                   f"{plant._tail_report(child.name)}")
+            if proc.returncode == 0:
+                # As systemd's Restart=on-failure: a clean exit was asked for.
+                child.given_up = True
+                _say(f"{how}; it is not restarted, as a clean exit was asked for (Ctrl-C "
+                     "stops `up` itself)", error=True)
+                continue
+            child.deaths.append(now)
+            while child.deaths and child.deaths[0] < now - RESTART_WINDOW_S:
+                child.deaths.popleft()
+            if len(child.deaths) >= RESTART_LIMIT:
+                _say(f"{how}; it died {len(child.deaths)} times within {RESTART_WINDOW_S:.0f} s, "
+                     "so it is not restarted again and the plant stops. Fix what kills it, "
+                     f"then run `edgebus up {plant.plant_path}` again.\n"
+                     f"{plant._tail_report(child.name)}", error=True)
+                return 1
+            delay = min(RESTART_MAX_DELAY_S, RESTART_DELAY_S * 2 ** (len(child.deaths) - 1))
+            child.restart_at = now + delay
+            _say(f"{how}; restarting it in {delay:.0f} s (death {len(child.deaths)} of at most "
+                 f"{RESTART_LIMIT - 1} within {RESTART_WINDOW_S:.0f} s); the rest keep serving",
+                 error=True)
+        elif child.restart_at is not None and now >= child.restart_at:
+            child.restart_at = None
+            _say(f"restarted {child.name} (pid {plant.restart(child.name)})")
+    return None
 
 
 def _table(plant: PlantProcesses) -> str:

@@ -2,13 +2,16 @@
 
 What must hold: every agent comes online and serves; SIGTERM stops all of them
 cleanly (each publishes "offline") and `up` exits 0; a SIGKILLed `up` leaves no
-orphan; a child that dies takes the plant down with exit code 1. Child pids
-come from the agents' retained statuses and from /proc.
+orphan; a `kill -9` of a stage node mid-generation loses no request (its
+standby takes over) and the node is restarted; an agent that keeps dying
+stops the plant with exit code 1. Child pids come from the agents' retained
+statuses and from /proc.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
@@ -22,12 +25,14 @@ from pathlib import Path
 
 import aiomqtt
 import pytest
+import yaml
 from brokers import LOOPBACK, BrokerHandle, free_port
+from pipeline import reference_tokens
 
 from edgebus.errors import EdgebusError
-from edgebus.launcher import STOP_GRACE_S, PlantProcesses
-from edgebus.messages import AgentStatus, GenerateResponse
-from plant_config import Plant, make_plant, write_plant
+from edgebus.launcher import RESTART_LIMIT, RESTART_MAX_DELAY_S, STOP_GRACE_S, PlantProcesses
+from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
+from plant_config import Plant, load_plant, make_plant, write_plant
 
 # Two stages keep the plant at four processes (broker, stages, coordinator),
 # each importing torch on what may be a two-core CI box.
@@ -40,6 +45,17 @@ ASK_S = 30.0
 # `up` gives its agents STOP_GRACE_S before SIGKILL, then stops the broker.
 STOP_S = 2 * STOP_GRACE_S + 5.0
 POLL_S = 0.05
+# A killed agent is restarted after at most the backoff of its RESTART_LIMIT-th
+# death, then loads (an import of torch) for as long as READY_S allows.
+RESTART_S = RESTART_MAX_DELAY_S + READY_S
+# Tokens per request in the failover test: enough decode steps that the kill
+# lands mid-generation, which the test checks rather than assumes.
+FAILOVER_TOKENS = 48
+# Streamed deltas every request must have shown before the kill.
+DELTAS_BEFORE_KILL = 2
+# The failover test's requests answer within this after the kill: a replay is a
+# prefill of a few dozen positions on a 64-wide model.
+ANSWER_S = 120.0
 
 Statuses = dict[str, AgentStatus]
 
@@ -127,15 +143,20 @@ def all_are(agents: list[str], state: str) -> Callable[[Statuses], bool]:
 class StatusWatch:
     """The latest retained status of every agent of a plant, kept up to date."""
 
-    def __init__(self, client: aiomqtt.Client) -> None:
+    def __init__(self, client: aiomqtt.Client, events_topic: str) -> None:
         self.client = client
+        self.events_topic = events_topic
         self.latest: Statuses = {}
+        self.events: list[dict[str, str]] = []
         self._changed = asyncio.Event()
 
     async def collect(self) -> None:
         try:
             async for message in self.client.messages:
                 assert isinstance(message.payload, bytes)
+                if message.topic.value == self.events_topic:
+                    self.events.append(json.loads(message.payload))
+                    continue
                 status = AgentStatus.model_validate_json(message.payload)
                 self.latest[status.agent_id] = status
                 self._changed.set()
@@ -152,11 +173,13 @@ class StatusWatch:
 
 @asynccontextmanager
 async def watch_statuses(plant: Plant, timeout: float = READY_S) -> AsyncIterator[StatusWatch]:
-    """Subscribe to `{root}/status/+`, retrying while the broker is not up yet."""
-    endpoint = plant.broker.endpoint()
+    """Subscribe to `{root}/status/+` and `{root}/events` (as the ops identity of a secured
+    plant), retrying while the broker is not up yet."""
+    endpoint = plant.ops_endpoint()
     async with asyncio.timeout(timeout):
         while True:
             client = aiomqtt.Client(endpoint.host, endpoint.port,
+                                    username=endpoint.username, password=endpoint.password,
                                     identifier=f"watch-{secrets.token_hex(4)}")
             try:
                 await client.__aenter__()
@@ -165,7 +188,8 @@ async def watch_statuses(plant: Plant, timeout: float = READY_S) -> AsyncIterato
                 await asyncio.sleep(POLL_S)
     try:
         await client.subscribe(plant.topics.status_filter, 1)
-        watch = StatusWatch(client)
+        await client.subscribe(plant.topics.events, 1)
+        watch = StatusWatch(client, plant.topics.events)
         collector = asyncio.create_task(watch.collect())
         yield watch
         collector.cancel()
@@ -198,7 +222,14 @@ async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama: Path, tmp_pat
             # Seen live: the embedded broker, and its retained messages, go with `up`.
             await watch.wait(all_are(agents, "offline"), STOP_S)
         assert wait_exit(up, STOP_S) == 0
-        assert wait_gone(children, 1.0) == []
+        # `up` waited for each child before it exited: nothing is left to wait for.
+        assert [pid for pid in children if alive(pid)] == []
+    # The plant has no security: section, so each agent said so, once, at start.
+    report = (tmp_path / "up.out").read_text()
+    for agent in agents:
+        warnings = [line for line in report.splitlines()
+                    if line.startswith(f"[{agent}] ") and "security is off" in line]
+        assert len(warnings) == 1, (agent, warnings)
 
 
 async def test_children_die_with_a_sigkilled_up(tiny_llama: Path, tmp_path: Path,
@@ -215,25 +246,164 @@ async def test_children_die_with_a_sigkilled_up(tiny_llama: Path, tmp_path: Path
         up.kill()
         up.wait()
         assert wait_gone(children, STOP_S) == []
-    # PR_SET_PDEATHSIG sends SIGTERM, which the agents handle: a clean "offline" each.
+    # PR_SET_PDEATHSIG sends SIGTERM, which the agents handle: a clean "offline" each,
+    # retained, so a new subscriber gets it at once (the wait only bounds a hang).
     async with watch_statuses(plant) as watch:
-        await watch.wait(all_are(agents, "offline"), 5.0)
+        await watch.wait(all_are(agents, "offline"), READY_S)
 
 
-async def test_a_dead_stage_stops_the_plant_with_exit_1(tiny_llama: Path,
-                                                        tmp_path: Path) -> None:
+def edgebus_cli(*args: str) -> str:
+    """`edgebus ARGS` as an operator types it; its output (it must succeed)."""
+    done = subprocess.run([sys.executable, "-m", "edgebus", *args], capture_output=True,
+                          text=True, timeout=READY_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def on_a_free_port(plant_path: Path) -> Plant:
+    """The plant file as `edgebus init` wrote it, its embedded broker moved off 1883 (where a
+    Mosquitto, or another test, may listen) to a free loopback port."""
+    data = yaml.safe_load(plant_path.read_text())
+    data["broker"]["port"] = free_port()
+    plant_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return load_plant(plant_path)
+
+
+async def test_kill_9_of_a_stage_node_under_up_loses_no_request_and_it_comes_back(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """docs/failover.md's flow as a new user follows it: `init --replicas 2`, `up`, requests,
+    `kill -9` of a node. Its standby finishes its requests, token-exact; `up` restarts it."""
+    plant_path = tmp_path / "plant.yaml"
+    edgebus_cli("init", str(plant_path), "--model", str(tiny_llama), "--stages", "3",
+                "--replicas", "2")
+    plant = on_a_free_port(plant_path)
+    assert plant.security is not None  # secure by default: the gateway logs in as plc-1
+    agents = agent_ids(plant)
+    victim = plant.pipeline[1].node_ids[0]
+    batch = [GenerateRequest(id=f"r{i}", prompt=f"Press {i} reports a pressure drop of {i} bar",
+                             max_tokens=FAILOVER_TOKENS, ignore_eos=True, stream=True)
+             for i in range(8)]
+    with edgebus_up(plant_path, tmp_path) as up:
+        async with watch_statuses(plant) as watch:
+            online = await watch.wait(all_are(agents, "online"), READY_S)
+            async with Gateway(plant, "plc-1") as gateway:
+                for request in batch:
+                    await gateway.send(request)
+                await gateway.until(lambda: all(gateway.deltas.get(r.id, 0) >= DELTAS_BEFORE_KILL
+                                                for r in batch), ANSWER_S)
+                os.kill(online[victim].pid, signal.SIGKILL)
+                answered_before_kill = len(gateway.responses)
+                await gateway.until(lambda: len(gateway.responses) == len(batch), ANSWER_S)
+            # `up` restarted it: a new process, online, while everything else ran on.
+            back = await watch.wait(lambda seen: seen[victim].state == "online"
+                                    and seen[victim].pid != online[victim].pid, RESTART_S)
+            assert up.poll() is None
+            assert {a: back[a].pid for a in agents if a != victim} == \
+                {a: online[a].pid for a in agents if a != victim}
+            # And says so, once it has seen the new process's status too.
+            await output_says(tmp_path / "up.out", f"{victim} online again", RESTART_S)
+        up.send_signal(signal.SIGTERM)
+        assert wait_exit(up, STOP_S) == 0
+    # The kill landed mid-generation: requests were on the victim and were replayed.
+    assert answered_before_kill < len(batch)
+    assert any(victim in e["message"] and "replaying" in e["message"] for e in watch.events), \
+        [e["message"] for e in watch.events]
+    for request in batch:
+        response = gateway.responses[request.id]
+        assert response.error is None, response.error
+        assert response.tokens == reference_tokens(tiny_llama, request), request.id
+    report = (tmp_path / "up.out").read_text()
+    assert f"{victim} (pid {online[victim].pid}) was killed by SIGKILL; restarting it" in report
+    assert "security is off" not in report
+
+
+async def output_says(path: Path, text: str, timeout: float) -> None:
+    """Wait until the file at `path` holds `text`."""
+    async with asyncio.timeout(timeout):
+        while text not in path.read_text(errors="replace"):
+            await asyncio.sleep(POLL_S)
+
+
+class Gateway:
+    """A PLC gateway as its own identity: sends requests, collects answers and deltas."""
+
+    def __init__(self, plant: Plant, client_id: str) -> None:
+        self.plant, self.client_id = plant, client_id
+        self.responses: dict[str, GenerateResponse] = {}
+        self.deltas: dict[str, int] = {}
+        self._changed = asyncio.Event()
+        endpoint = plant.endpoint_for(client_id)
+        self.client = aiomqtt.Client(endpoint.host, endpoint.port, username=endpoint.username,
+                                     password=endpoint.password,
+                                     identifier=f"{plant.plant_id}.{client_id}")
+        self._collector: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Gateway:
+        await self.client.__aenter__()
+        await self.client.subscribe(self.plant.topics.response_filter(self.client_id), 1)
+        self._collector = asyncio.create_task(self._collect())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._collector is not None
+        self._collector.cancel()
+        await asyncio.gather(self._collector, return_exceptions=True)
+        await self.client.__aexit__(None, None, None)
+
+    async def send(self, request: GenerateRequest) -> None:
+        await self.client.publish(self.plant.topics.request(self.client_id),
+                                  request.model_dump_json(), qos=1)
+
+    async def _collect(self) -> None:
+        async for message in self.client.messages:
+            assert isinstance(message.payload, bytes)
+            topic = message.topic.value
+            if topic.endswith("/stream"):
+                rid = topic.split("/")[-2]
+                self.deltas[rid] = self.deltas.get(rid, 0) + 1
+            else:
+                response = GenerateResponse.model_validate_json(message.payload)
+                self.responses.setdefault(response.id, response)
+            self._changed.set()
+
+    async def until(self, done: Callable[[], bool], timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while not done():
+                self._changed.clear()
+                await self._changed.wait()
+
+
+async def test_an_agent_that_keeps_dying_stops_the_plant_with_exit_1(tiny_llama: Path,
+                                                                     tmp_path: Path) -> None:
     plant_path, plant = plant_file(tiny_llama, tmp_path)
     agents = agent_ids(plant)
+    victim = plant.stages[-1].node
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
             online = await watch.wait(all_are(agents, "online"), READY_S)
         children = children_of(up.pid)
-        victim = plant.stages[-1].node
-        os.kill(online[victim].pid, signal.SIGKILL)
-        assert wait_exit(up, STOP_S) == 1
-        assert wait_gone(children, 1.0) == []
+        pid = online[victim].pid
+        # Each of its processes is killed as soon as `up` has started it.
+        for death in range(1, RESTART_LIMIT + 1):
+            os.kill(pid, signal.SIGKILL)
+            if death == RESTART_LIMIT:
+                break
+            pid = await next_child(up.pid, {*children_of(up.pid), pid}, RESTART_S)
+        assert wait_exit(up, RESTART_S + STOP_S) == 1
+        assert wait_gone([*children, pid], STOP_S) == []
     report = (tmp_path / "up.out").read_text()
-    assert f"{victim} (pid {online[victim].pid}) was killed by SIGKILL" in report
+    assert report.count("restarting it in") == RESTART_LIMIT - 1
+    assert f"{victim} (pid {pid}) was killed by SIGKILL; it died {RESTART_LIMIT} times" in report
+    assert "plant stops" in report and f"edgebus up {plant_path}" in report
+
+
+async def next_child(parent: int, known: set[int], timeout: float) -> int:
+    """The pid of a child of `parent` that is not in `known`, once there is one."""
+    async with asyncio.timeout(timeout):
+        while not (new := set(children_of(parent)) - known):
+            await asyncio.sleep(POLL_S)
+    [pid] = new
+    return pid
 
 
 def test_a_taken_broker_port_fails_before_anything_starts(tiny_llama: Path,
