@@ -33,11 +33,16 @@ PERIOD_S = WATCHDOG_USEC / 2e6
 # The agent imports torch and transformers before it connects: ~10 s on a
 # loaded two-core box.
 START_S = 60.0
-# The client retries a lost broker after 0.25 s, then backs off.
-RECONNECT_S = 10.0
+# The client retries a lost broker after 0.25 s, then backs off to 10 s; a
+# loaded box may add seconds to any of these steps.
+RECONNECT_S = 60.0
+# How long to wait for a datagram the agent must send: a ping comes every
+# PERIOD_S, but a loaded box may keep the agent off the CPU for seconds.
+PING_S = 30.0
 # A clean exit finishes within the client's 2 s close timeout.
 STOP_S = 15.0
-# Watchdog periods to watch for a ping that must not come.
+# Watchdog periods the broker stays away: every datagram the agent sends in
+# that time, however many, is checked for a ping that must not be there.
 QUIET_PERIODS = 10
 
 
@@ -130,19 +135,18 @@ async def test_agent_is_ready_once_connected_and_pings_only_while_connected(
         assert not any("WATCHDOG=1" in d for d in before_ready), before_ready
         assert f"STATUS=connected to the broker at {amqtt_broker.host}:{amqtt_broker.port}" \
             in before_ready[-1]
-        await until(sock, "WATCHDOG=1", 5 * PERIOD_S)
+        await until(sock, "WATCHDOG=1", PING_S)
 
         amqtt_broker.stop()
-        await until(sock, "STATUS=lost the broker", RECONNECT_S)
-        quiet: list[list[str]] = []
-        with pytest.raises(TimeoutError):
-            while True:
-                quiet.append(await receive(sock, QUIET_PERIODS * PERIOD_S))
-        assert not any("WATCHDOG=1" in d for d in quiet), quiet
-
+        lost = await until(sock, "STATUS=lost the broker", RECONNECT_S)
+        assert "WATCHDOG=1" not in lost[-1], lost
+        await asyncio.sleep(QUIET_PERIODS * PERIOD_S)
         amqtt_broker.start()  # same port: the agent reconnects, and the pings resume
-        back = await until(sock, "WATCHDOG=1", RECONNECT_S)
-        assert any(a.startswith("STATUS=connected") for d in back for a in d), back
+        # Everything the agent said while the broker was away, up to the datagram
+        # that says it is connected again: no ping among it, however long it took.
+        back = await until(sock, "STATUS=connected", RECONNECT_S)
+        assert not any("WATCHDOG=1" in d for d in back[:-1]), back
+        assert "WATCHDOG=1" in back[-1], back  # the pings resume with the connection
 
         agent.send_signal(signal.SIGTERM)
         await until(sock, "STOPPING=1", STOP_S)
@@ -164,7 +168,7 @@ async def test_embedded_broker_is_ready_once_listening_and_pings(
         assert f"STATUS=listening on {LOOPBACK}:{port}" in ready[-1]
         with socket.create_connection((LOOPBACK, port), timeout=5):
             pass  # READY=1 came once it listens
-        await until(sock, "WATCHDOG=1", 5 * PERIOD_S)
+        await until(sock, "WATCHDOG=1", PING_S)
         broker.send_signal(signal.SIGTERM)
         await until(sock, "STOPPING=1", STOP_S)
         assert broker.wait(STOP_S) == 0
