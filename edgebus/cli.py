@@ -259,8 +259,14 @@ def _bench(args: argparse.Namespace) -> None:
     tokens = args.tokens if args.tokens is not None else (
         QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     brokers = tuple(name.strip() for name in args.brokers.split(",") if name.strip())
+    weights = tuple(name.strip() for name in args.weights.split(",") if name.strip())
+    unknown = set(weights) - set(get_args(WeightMode))
+    if unknown:
+        raise EdgebusError(f"--weights {args.weights}: {', '.join(sorted(unknown))} is no "
+                           f"weight mode; choose from {', '.join(get_args(WeightMode))}")
     run_bench(BenchSettings(out=Path(args.out), quick=args.quick, brokers=brokers,
-                            tokens=tokens))
+                            tokens=tokens, weights=weights,
+                            seed_shape=not args.no_seed_shape))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: amqtt (embedded) and/or mosquitto")
     p.add_argument("--tokens", type=int,
                    help="tokens generated per request (default 64, 16 with --quick)")
+    p.add_argument("--weights", default="fp32,int4",
+                   help="weight modes of the 3-stage pipeline, comma-separated: fp32 runs on "
+                        "every broker, the others on Mosquitto (default fp32,int4)")
+    p.add_argument("--no-seed-shape", action="store_true",
+                   help="skip the seed's model shape (DeepSeek-Coder-1.3B, random weights; "
+                        "~5 GB on disk, ~20 min); --quick skips it too")
     p.add_argument("--build-peers", action="store_true",
                    help="build llama.cpp's server and RPC tools (the peers the bench compares "
                         "with) into $EDGEBUS_HOME/llama.cpp/ and exit; ~24 min on 2 cores")

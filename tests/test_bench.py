@@ -26,6 +26,7 @@ from edgebus.bench.metrics import (
     stream_stats,
     time_to_first_token,
 )
+from edgebus.bench.peers import PeerRuns, RpcRun, Skipped
 from edgebus.bench.results import (
     BenchResult,
     BenchSettings,
@@ -152,10 +153,13 @@ def _load(concurrency: int, tok_s: float) -> LoadStats:
 BOXES = "2 pinned stages at 4-8 concurrent vs one process on 1 core (transformers, 1 thread)"
 
 
-def _pipeline(broker: str, single: float, at_16: float) -> PipelineRun:
+def _pipeline(broker: str, single: float, at_16: float, weights: str = "fp32") -> PipelineRun:
     stage_rss = {"stage-0": 500 * MIB, "stage-1": 400 * MIB, "stage-2": 500 * MIB}
+    held = {"stage-0": 30 * MIB, "stage-1": 20 * MIB, "stage-2": 30 * MIB}
     return PipelineRun(
-        broker=broker, single=_stream(single),
+        broker=broker, weights=weights, engine="torch" if weights == "fp32" else "onnxruntime",
+        engines={node: {"weight_bytes": size} for node, size in held.items()},
+        single=_stream(single),
         load=[_load(1, single), _load(4, 30.0), _load(16, at_16)], long_ttft_s=1.0,
         wire=Wire({"stage-0": 60, "stage-1": 1208, "stage-2": 1208, "coordinator": 64}),
         hop=HopLatency(p50_s=0.0005, p99_s=0.001), compute_per_step_s=[0.02, 0.02, 0.03],
@@ -184,12 +188,18 @@ def result(tmp_path: Path) -> BenchResult:
                                           long_ttft_s=1.0),
         llama_cpp=None, idle_rss=300 * MIB, stage_layers=[(0, 10), (10, 20), (20, 30)],
         stage_param_bytes=[250 * MIB, 150 * MIB, 250 * MIB],
-        pipelines=[_pipeline("amqtt", 9.0, 50.0), _pipeline("mosquitto", 9.6, 70.0)],
+        pipelines=[_pipeline("amqtt", 9.0, 50.0), _pipeline("mosquitto", 9.6, 70.0),
+                   _pipeline("mosquitto", 40.0, 200.0, weights="int4")],
         boxes=[BoxesRun(stages=1, layers=[(0, 30)], load=[_load(4, 10.0), _load(8, 10.0)]),
                BoxesRun(stages=2, layers=[(0, 19), (19, 30)],
                         load=[_load(4, 16.0), _load(8, 18.0)])],
         one_core=OneCoreBaseline(single_tok_s=5.0, batch_tok_s={4: 12.0, 8: 15.0}),
-        elapsed_s=540.0, notes=["a note for the reader"])
+        elapsed_s=540.0, notes=["a note for the reader"], bandwidth_gbs=20.0,
+        peers=PeerRuns(single={1: _stream(50.0), 2: _stream(80.0)},
+                       slots=[_load(1, 70.0), _load(16, 100.0)],
+                       rpc=RpcRun(servers=3, server_threads=1, single=_stream(25.0),
+                                  load=[_load(1, 25.0), _load(16, 40.0)],
+                                  wire_bytes_per_token=216_000.0, wire_note=None)))
 
 
 def _verdicts(markdown: str) -> dict[str, tuple[str, str]]:
@@ -212,8 +222,48 @@ def test_targets_are_judged_on_mosquitto_against_the_same_run(result: BenchResul
     # One request at a time: stage-1 400 MiB against 150 + 300, stage-0 500 against 250 + 300.
     assert verdicts["worst stage peak RSS (one request at a time) vs its weights + an idle "
                     "agent"] == ("0.91x", "pass")
-    assert verdicts[f"stretch: single stream, {where}, vs llama.cpp single stream"] == \
-        ("n/a", "n/a")
+
+
+def test_int4_is_judged_against_llama_cpp_measured_in_the_same_run(
+        result: BenchResult) -> None:
+    verdicts = _verdicts(report.render_markdown(result, None))
+    where = "int4, 3 stages over mosquitto"
+    assert verdicts[f"single stream, {where}, vs llama.cpp RPC (3 rpc-servers)"] == \
+        ("1.60x", "pass")
+    # The one-process peer with every core (2 threads: 80 tok/s), not the 1-thread one.
+    assert verdicts[f"moonshot: single stream, {where}, vs llama.cpp in one process "
+                    "(2 threads)"] == ("0.50x", "**fail**")
+    assert verdicts[f"16 concurrent, {where}, vs llama-server -np 16"] == ("2.00x", "pass")
+    assert verdicts[f"16 concurrent, {where}, vs llama.cpp RPC"] == ("5.00x", "pass")
+    assert verdicts[f"TTFT p50 at 16, {where}, vs llama-server -np 16's"] == ("1.00x", "pass")
+    # stage-1: 20 MiB at 20 GB/s is 1.05 ms of a 20 ms step.
+    assert verdicts["worst stage decode step vs its memory roofline (weight bytes / "
+                    "bandwidth)"] == ("0.05x", "**fail**")
+
+
+def test_a_peer_that_could_not_run_says_why(result: BenchResult) -> None:
+    assert result.peers is not None
+    missing = dataclasses.replace(result, peers=dataclasses.replace(
+        result.peers, rpc=Skipped("not built: run `edgebus bench --build-peers`")))
+    markdown = report.render_markdown(missing, None)
+    assert "| llama.cpp RPC | not built: run `edgebus bench --build-peers` |" in markdown
+    assert _verdicts(markdown)["single stream, int4, 3 stages over mosquitto, vs llama.cpp RPC "
+                               "(rpc-servers)"] == ("n/a", "n/a")
+
+
+def test_int4_memory_and_perplexity_are_read_off_the_weight_modes_table(
+        result: BenchResult) -> None:
+    doc = result.settings.out.parent / report.WEIGHT_MODES_DOC
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text("# Weight modes\n\nA stage's weights ...\n\n"
+                   "| engine and weights | tok/s | whole | middle | bytes | greedy | ppl |\n"
+                   "| onnxruntime int4 | 70.1 (2.80x) | 120 MiB (0.19x) | 23 MiB (0.15x) "
+                   "| 90 MiB | 20/128 (16%) | 32.633 (+0.48 %) |\n")
+    verdicts = _verdicts(report.render_markdown(result, None))
+    assert verdicts["int4 stage resident weights vs fp32, a middle stage (weight-modes.md)"] \
+        == ("0.15x", "pass")
+    assert verdicts["int4 perplexity vs fp32 (weight-modes.md), 1.03x = +3 %"] == \
+        ("1.00x", "pass")
 
 
 def test_a_missed_target_is_marked(result: BenchResult) -> None:
@@ -264,14 +314,24 @@ def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
     assert "stages hold layers [0, 10), [10, 20), [20, 30)" in markdown
     assert "| llama.cpp (Q4_1 GGUF), single stream | not installed |" in markdown
     assert "| transformers, static batch 16 | 80.0 |" in markdown
-    assert "| mosquitto | 16 | 32 | 70.0 | 7.00x | 300.0 ms | 100.0 ms | 200.0 ms |" in markdown
-    assert "| amqtt | 60 | 1208 | 1208 | 64 | 635 |" in markdown
-    assert "| mosquitto | 0.5 ms | 1.0 ms | 70.0 ms | 70.0 ms | 3.5 ms |" in markdown
+    fp32 = "fp32 (torch) over mosquitto"
+    assert f"| {fp32} | 16 | 32 | 70.0 | 7.00x | 300.0 ms | 100.0 ms | 200.0 ms |" in markdown
+    assert "| fp32 (torch) over amqtt | 60 | 1208 | 1208 | 64 | 635 |" in markdown
+    assert f"| {fp32} | 0.5 ms | 1.0 ms | 70.0 ms | 70.0 ms | 3.5 ms |" in markdown
     # online 380, one at a time 400, after 16 concurrent 500, at end 400; minus 300 idle and
-    # 150 weights
-    assert ("| amqtt | stage-1 | 380 MiB | 400 MiB | 500 MiB | 400 MiB | 150 MiB | -70 MiB "
-            "| -50 MiB | pass |") in markdown
-    assert "| amqtt | coordinator | 360 MiB | 365 MiB | 370 MiB | 360 MiB |  |  |  |  |" \
+    # 150 weights (fp32: the checkpoint's bytes)
+    assert ("| fp32 (torch) over amqtt | stage-1 | 380 MiB | 400 MiB | 500 MiB | 400 MiB "
+            "| 150 MiB | -70 MiB | -50 MiB | pass |") in markdown
+    assert ("| fp32 (torch) over amqtt | coordinator | 360 MiB | 365 MiB | 370 MiB | 360 MiB "
+            "|  |  |  |  |") in markdown
+    # int4: what the stage reported holding
+    assert "| int4 (onnxruntime) over mosquitto | stage-1 | 380 MiB | 400 MiB | 500 MiB " \
+        "| 400 MiB | 20 MiB |" in markdown
+    assert ("| edgebus, 3 stages over mosquitto, int4 (onnxruntime) | 40.0 | 200.0 | 300.0 ms "
+            "| 2540 B |") in markdown
+    assert "| llama.cpp RPC: 3 rpc-servers of 1 thread(s) + llama-server | 25.0 | 40.0 | " \
+        "300.0 ms | 216000 B |" in markdown
+    assert "| int4 (onnxruntime) over mosquitto | stage-1 | 20 MiB | 20.0 ms | 1.0 ms | 5% |" \
         in markdown
     assert "| transformers, 1 core, static batch of 8 | 8 | 15.0 | 3.00x | 1.00x |  |" in markdown
     assert ("| edgebus, 2 stage(s) of 19 + 11 layers, a core each | 8 | 18.0 | 3.60x | 1.20x "

@@ -6,16 +6,23 @@ numbers; only `write_report` touches the disk.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgebus.bench.metrics import LoadStats
+from edgebus.bench import roofline
+from edgebus.bench.metrics import LoadStats, StreamStats
+from edgebus.bench.peers import RpcRun, Skipped
 from edgebus.bench.results import BOXES_CONCURRENCY, BenchResult, PipelineRun
 
 # The broker a plant runs in production; the targets are stated over it.
 PRODUCTION_BROKER = "mosquitto"
 # The concurrency the "many requests" target is stated at.
 TARGET_CONCURRENCY = 16
+# The fast weight mode the targets against llama.cpp are stated in.
+FAST_WEIGHTS = "int4"
+# A decode step should read its weights at no less than this share of memory bandwidth.
+ROOFLINE_GOAL = 0.70
 _MIB = 1024**2
 PASS, FAIL, UNMEASURED = "pass", "**fail**", "n/a"
 INSTALL_PLOT = 'pip install -e ".[bench]"'
@@ -42,9 +49,9 @@ class Target:
         return f"{'≥' if self.at_least else '≤'} {self.goal:.2f}x"
 
 
-def reference_run(result: BenchResult) -> PipelineRun | None:
-    """The pipeline run the targets are judged on: Mosquitto's if measured, else the first."""
-    runs = {run.broker: run for run in result.pipelines}
+def reference_run(result: BenchResult, weights: str = "fp32") -> PipelineRun | None:
+    """The `weights` run the targets are judged on: Mosquitto's if measured, else the first."""
+    runs = {run.broker: run for run in result.pipelines if run.weights == weights}
     return runs.get(PRODUCTION_BROKER) or next(iter(runs.values()), None)
 
 
@@ -76,14 +83,106 @@ def targets(result: BenchResult) -> list[Target]:
                max(stage_rss_ratios(result, run), default=None) if run else None, 1.0,
                at_least=False),
     ]
-    llama = result.llama_cpp.tok_s if result.llama_cpp is not None else None
-    rows += [
-        Target(f"stretch: single stream, {where}, vs llama.cpp single stream",
-               _ratio(run.single.tok_s if run else None, llama), 1.0, at_least=True),
-        Target(f"stretch: {TARGET_CONCURRENCY} concurrent, {where}, vs llama.cpp single stream",
-               _ratio(loaded.tok_s if loaded else None, llama), 1.0, at_least=True),
+    return rows + _peer_targets(result) + [
+        Target("worst stage decode step vs its memory roofline (weight bytes / bandwidth)",
+               min((f for _, _, f in roofline_rows(result) if f is not None), default=None),
+               ROOFLINE_GOAL, at_least=True),
+        *_weight_mode_targets(result.settings.out.parent / WEIGHT_MODES_DOC)]
+
+
+def _peer_targets(result: BenchResult) -> list[Target]:
+    """int4 through 3 stages over Mosquitto against llama.cpp's own tools on the same CPU."""
+    fast = reference_run(result, FAST_WEIGHTS)
+    where = f"{FAST_WEIGHTS}, 3 stages over {fast.broker}" if fast else FAST_WEIGHTS
+    loaded = fast.at(TARGET_CONCURRENCY) if fast else None
+    rpc = _rpc(result)
+    single = _llama_single(result)
+    slots = _slots(result)
+    rpc_loaded = next((s for s in rpc.load if s.concurrency == TARGET_CONCURRENCY),
+                      None) if rpc else None
+    rpc_servers = f"{rpc.servers} rpc-servers" if rpc else "rpc-servers"
+    return [
+        Target(f"single stream, {where}, vs llama.cpp RPC ({rpc_servers})",
+               _ratio(fast.single.tok_s if fast else None, rpc.single.tok_s if rpc else None),
+               1.5, at_least=True),
+        Target(f"moonshot: single stream, {where}, vs llama.cpp in one process "
+               f"({result.machine.usable_cores} threads)",
+               _ratio(fast.single.tok_s if fast else None, single.tok_s if single else None),
+               1.0, at_least=True),
+        Target(f"{TARGET_CONCURRENCY} concurrent, {where}, vs llama-server -np "
+               f"{TARGET_CONCURRENCY}",
+               _ratio(loaded.tok_s if loaded else None, slots.tok_s if slots else None), 1.5,
+               at_least=True),
+        Target(f"{TARGET_CONCURRENCY} concurrent, {where}, vs llama.cpp RPC",
+               _ratio(loaded.tok_s if loaded else None, rpc_loaded.tok_s if rpc_loaded else None),
+               3.0, at_least=True),
+        Target(f"TTFT p50 at {TARGET_CONCURRENCY}, {where}, vs llama-server -np "
+               f"{TARGET_CONCURRENCY}'s",
+               _ratio(loaded.ttft_p50_s if loaded else None,
+                      slots.ttft_p50_s if slots else None), 1.0, at_least=False),
+        Target(f"TTFT p50 at {TARGET_CONCURRENCY}, {where}, vs llama.cpp RPC's",
+               _ratio(loaded.ttft_p50_s if loaded else None,
+                      rpc_loaded.ttft_p50_s if rpc_loaded else None), 1.0, at_least=False),
     ]
+
+
+def _llama_single(result: BenchResult) -> StreamStats | None:
+    """llama.cpp in one process with every core (llama-server, one slot)."""
+    if result.peers is None:
+        return None
+    found = result.peers.single.get(result.machine.usable_cores)
+    return found if isinstance(found, StreamStats) else None
+
+
+def _slots(result: BenchResult) -> LoadStats | None:
+    if result.peers is None or isinstance(result.peers.slots, Skipped):
+        return None
+    return next((s for s in result.peers.slots if s.concurrency == TARGET_CONCURRENCY), None)
+
+
+def _rpc(result: BenchResult) -> RpcRun | None:
+    if result.peers is None or isinstance(result.peers.rpc, Skipped):
+        return None
+    return result.peers.rpc
+
+
+def roofline_rows(result: BenchResult) -> list[tuple[PipelineRun, str, float | None]]:
+    """(run, stage, fraction of its roofline its decode step reaches) for every stage."""
+    if result.bandwidth_gbs is None:
+        return []
+    rows: list[tuple[PipelineRun, str, float | None]] = []
+    for run in result.pipelines:
+        if run.compute_per_step_s is None:
+            continue
+        for index, step in enumerate(run.compute_per_step_s):
+            node = f"stage-{index}"
+            held = run.engines.get(node, {}).get("weight_bytes")
+            rows.append((run, node, None if held is None or step <= 0 else roofline.fraction(
+                float(held), step, result.bandwidth_gbs * 1e9)))
     return rows
+
+
+# "| onnxruntime int4 | ... | 27 MiB (0.16x) | ... | 32.633 (+0.48 %) |" in weight-modes.md
+_MIDDLE_RATIO = re.compile(r"\(([0-9.]+)x\)")
+_PERPLEXITY = re.compile(r"\(([+-][0-9.]+) %\)")
+
+
+def _weight_mode_targets(doc: Path) -> list[Target]:
+    """int4's memory and quality targets, read off `python -m edgebus.bench.weights`'s table
+    (its own run: it loads the model once per mode)."""
+    row = next((line for line in (doc.read_text(encoding="utf-8").splitlines()
+                                  if doc.is_file() else [])
+                if line.startswith(f"| onnxruntime {FAST_WEIGHTS} |")), None)
+    cells = row.split("|")[1:-1] if row else []
+    middle = _MIDDLE_RATIO.search(cells[3]) if len(cells) > 6 else None
+    quality = _PERPLEXITY.search(cells[6]) if len(cells) > 6 else None
+    return [
+        Target(f"{FAST_WEIGHTS} stage resident weights vs fp32, a middle stage "
+               f"({WEIGHT_MODES_DOC})", float(middle.group(1)) if middle else None, 0.16,
+               at_least=False),
+        Target(f"{FAST_WEIGHTS} perplexity vs fp32 ({WEIGHT_MODES_DOC}), 1.03x = +3 %",
+               1 + float(quality.group(1)) / 100 if quality else None, 1.03, at_least=False),
+    ]
 
 
 def boxes_ratio(result: BenchResult) -> float | None:
@@ -115,8 +214,9 @@ def render_markdown(result: BenchResult, plot_name: str | None) -> str:
     """The whole `docs/benchmarks.md`; `plot_name` is the PNG beside it, None if skipped."""
     sections = [
         _header(result), _machine(result), _workload(result), _targets(result),
-        _baselines(result), _single(result), _concurrency(result), _wire(result),
-        _hops(result), _memory(result), _boxes(result), _STAGE_COMPUTE,
+        _baselines(result), _peers(result), _single(result), _concurrency(result),
+        _wire(result), _hops(result), _roofline(result), _memory(result), _boxes(result),
+        _seed_shape(result), _STAGE_COMPUTE,
         _weight_modes(result.settings.out.parent / WEIGHT_MODES_DOC), _plot(plot_name),
         _definitions(result), _notes(result)]
     return "\n\n".join(s for s in sections if s) + "\n"
@@ -166,7 +266,9 @@ def _machine(result: BenchResult) -> str:
             ["Mosquitto", m.mosquitto or "not installed"],
             ["llama-cpp-python", m.llama_cpp or "not installed"],
             ["load average at start", load]]
-    return "## Machine\n\n" + table(["", ""], rows)
+    return ("## Machine\n\nEvery table on this page was measured on this machine in this "
+            "run; weight-modes.md, copied in below, says when and where it ran.\n\n"
+            + table(["", ""], rows))
 
 
 def _workload(result: BenchResult) -> str:
@@ -216,12 +318,12 @@ def _baselines(result: BenchResult) -> str:
 
 def _single(result: BenchResult) -> str:
     hf = result.transformers
-    rows = [[run.broker, rate(run.single.tok_s), times(_ratio(run.single.tok_s, hf.single.tok_s)),
+    rows = [[run.label, rate(run.single.tok_s), times(_ratio(run.single.tok_s, hf.single.tok_s)),
              ms(run.single.ttft_s), ms(run.single.itl_p50_s), ms(run.single.itl_p99_s),
              ms(run.long_ttft_s), times(_ratio(run.long_ttft_s, hf.long_ttft_s))]
             for run in result.pipelines]
     return ("## Pipeline, 3 stages: one request at a time\n\n"
-            + table(["broker", "tok/s", "x transformers", "TTFT", "ITL p50", "ITL p99",
+            + table(["plant", "tok/s", "x transformers", "TTFT", "ITL p50", "ITL p99",
                      f"TTFT {result.long_prompt_tokens}-token prompt", "x transformers"], rows))
 
 
@@ -233,10 +335,10 @@ def _load_row(label: list[str], stats: LoadStats, reference: float) -> list[str]
 
 def _concurrency(result: BenchResult) -> str:
     reference = result.transformers.single.tok_s
-    rows = [_load_row([run.broker], stats, reference)
+    rows = [_load_row([run.label], stats, reference)
             for run in result.pipelines for stats in run.load]
     return ("## Pipeline, 3 stages: concurrent requests\n\n"
-            + table(["broker", "concurrency", "requests", "tok/s (aggregate)",
+            + table(["plant", "concurrency", "requests", "tok/s (aggregate)",
                      "x transformers single stream", "TTFT p50", "ITL p50", "ITL p99"], rows))
 
 
@@ -244,12 +346,12 @@ def _wire(result: BenchResult) -> str:
     if not result.pipelines:
         return ""
     hops = list(result.pipelines[0].wire.per_topic)
-    rows = [[run.broker, *(f"{run.wire.per_topic.get(h, 0.0):.0f}" for h in hops),
+    rows = [[run.label, *(f"{run.wire.per_topic.get(h, 0.0):.0f}" for h in hops),
              f"{run.wire.per_hop:.0f}"] for run in result.pipelines]
     return ("## Bytes on the wire per decode token\n\n"
             "Frame payload bytes per generated token on each hop (`{root}/act/<agent>`), "
             "prefill excluded; MQTT's own header and topic add ~30 bytes a message.\n\n"
-            + table(["broker", *(f"→ {h}" for h in hops), "mean per hop"], rows))
+            + table(["plant", *(f"→ {h}" for h in hops), "mean per hop"], rows))
 
 
 def _hops(result: BenchResult) -> str:
@@ -257,23 +359,27 @@ def _hops(result: BenchResult) -> str:
     for run in result.pipelines:
         compute = (None if run.compute_per_step_s is None
                    else sum(run.compute_per_step_s))
-        rows.append([run.broker, ms(run.hop.p50_s), ms(run.hop.p99_s), ms(run.single.itl_p50_s),
+        rows.append([run.label, ms(run.hop.p50_s), ms(run.hop.p99_s), ms(run.single.itl_p50_s),
                      ms(compute), ms(run.overhead_per_hop_s)])
     return ("## Latency per hop\n\n"
-            + table(["broker", "broker hop p50 (one way)", "broker hop p99",
+            + table(["plant", "broker hop p50 (one way)", "broker hop p99",
                      "decode step p50", "Σ stage compute per step",
                      "pipeline overhead per hop"], rows))
 
 
 def _memory(result: BenchResult) -> str:
-    weights = dict(zip((f"stage-{i}" for i in range(len(result.stage_param_bytes))),
-                       result.stage_param_bytes, strict=True))
+    fp32 = dict(zip((f"stage-{i}" for i in range(len(result.stage_param_bytes))),
+                    result.stage_param_bytes, strict=True))
     top = max(result.settings.concurrency)
     rows = []
     for run in result.pipelines:
+        # What each stage reported holding in its mode; the checkpoint's bytes in fp32.
+        weights = {**fp32, **{node: int(engine["weight_bytes"])
+                              for node, engine in run.engines.items()
+                              if "weight_bytes" in engine and run.weights != "fp32"}}
         for name, peak in run.peak_rss.items():
             online, single = run.online_peak_rss.get(name), run.single_peak_rss.get(name)
-            cells = [run.broker, name, *(mib(b) if b is not None else "" for b in
+            cells = [run.label, name, *(mib(b) if b is not None else "" for b in
                                          (online, single, peak, run.end_rss.get(name)))]
             if name in weights and online is not None and single is not None:
                 base = weights[name] + result.idle_rss
@@ -290,7 +396,7 @@ def _memory(result: BenchResult) -> str:
             "(VmRSS) at the end. An idle agent (Python with torch, transformers and the "
             "stage agent imported, and the model built on the meta device: its code, no "
             f"weights) peaks at {mib(result.idle_rss)}.\n\n"
-            + table(["broker", "process", "peak RSS, online", "peak RSS, one request at a time",
+            + table(["plant", "process", "peak RSS, online", "peak RSS, one request at a time",
                      f"peak RSS, after {top} concurrent", "RSS at end", "weights held",
                      "online - idle - weights", "one at a time - idle - weights",
                      "≤ weights + idle"], rows)
@@ -301,6 +407,111 @@ def _memory(result: BenchResult) -> str:
             "of its largest prefill chunk (~6 MiB for 128 positions), which the heap keeps "
             "for the next one ([architecture.md](architecture.md)). Measured in one process "
             "with `TorchEngine`; the agent's MQTT client and frame buffers add the rest.")
+
+
+def _peers(result: BenchResult) -> str:
+    """edgebus against llama.cpp's own tools on the same model and CPU, in this run."""
+    peers = result.peers
+    if peers is None:
+        return ""
+    top = TARGET_CONCURRENCY
+    rows = []
+    for run in result.pipelines:
+        if run.broker != PRODUCTION_BROKER:
+            continue
+        loaded = run.at(top)
+        rows.append([f"edgebus, 3 stages over {run.broker}, {run.weights} ({run.engine})",
+                     rate(run.single.tok_s), rate(loaded.tok_s if loaded else None),
+                     ms(loaded.ttft_p50_s if loaded else None),
+                     f"{run.wire.per_hop * len(run.wire.per_topic):.0f} B"])
+    for threads, single in sorted(peers.single.items()):
+        rows.append([f"llama.cpp in one process (llama-server, 1 slot, {threads} thread(s))",
+                     *_stream_or_skip(single), "", "", "none"])
+    if isinstance(peers.slots, Skipped):
+        rows.append([f"llama-server -np {top}", peers.slots.reason, "", "", ""])
+    else:
+        at_top = next((s for s in peers.slots if s.concurrency == top), None)
+        at_one = next((s for s in peers.slots if s.concurrency == 1), None)
+        rows.append([f"llama-server -np {top} ({result.machine.usable_cores} threads)",
+                     rate(at_one.tok_s if at_one else None),
+                     rate(at_top.tok_s if at_top else None),
+                     ms(at_top.ttft_p50_s if at_top else None), "none"])
+    if isinstance(peers.rpc, Skipped):
+        rows.append(["llama.cpp RPC", peers.rpc.reason, "", "", ""])
+    else:
+        rpc = peers.rpc
+        at_top = next((s for s in rpc.load if s.concurrency == top), None)
+        wire = (f"{rpc.wire_bytes_per_token:.0f} B" if rpc.wire_bytes_per_token is not None
+                else rpc.wire_note or UNMEASURED)
+        rows.append([f"llama.cpp RPC: {rpc.servers} rpc-servers of {rpc.server_threads} "
+                     "thread(s) + llama-server", rate(rpc.single.tok_s),
+                     rate(at_top.tok_s if at_top else None),
+                     ms(at_top.ttft_p50_s if at_top else None), wire])
+    return ("## Against llama.cpp\n\n"
+            "llama.cpp's own tools, built from the source vendored in the installed "
+            "llama-cpp-python (`edgebus bench --build-peers`), on the bundled Q4_1 GGUF of the "
+            "same model, measured in this run on this machine with the same prompt, tokens "
+            "and closed-loop clients as edgebus. Bytes on the wire: per generated token, over "
+            "every hop (edgebus: frame payloads; RPC: both directions of every worker "
+            "connection).\n\n"
+            + table(["", "single stream tok/s", f"{top} concurrent tok/s (aggregate)",
+                     f"TTFT p50 at {top}", "bytes on the wire per token"], rows))
+
+
+def _stream_or_skip(stats: StreamStats | Skipped) -> list[str]:
+    if isinstance(stats, Skipped):
+        return [stats.reason, ""]
+    return [rate(stats.tok_s), ""]
+
+
+def _roofline(result: BenchResult) -> str:
+    rows = [[run.label, node,
+             mib(float(run.engines.get(node, {}).get("weight_bytes", 0))),
+             ms(step), ms(float(run.engines.get(node, {}).get("weight_bytes", 0))
+                          / (result.bandwidth_gbs * 1e9)) if result.bandwidth_gbs else "",
+             f"{fraction:.0%}" if fraction is not None else UNMEASURED]
+            for run, node, fraction in roofline_rows(result)
+            for step in [run.compute_per_step_s[int(node.split("-")[1])]
+                         if run.compute_per_step_s else None]]
+    if not rows:
+        return ""
+    return ("## Decode steps against the memory roofline\n\n"
+            f"A decode step reads every weight of its stage once, so it takes at least weight "
+            f"bytes / memory bandwidth. Bandwidth measured here, one thread reading 1 GiB: "
+            f"{result.bandwidth_gbs:.1f} GB/s. A stage's step is its compute per decode step "
+            "from its status metrics (one thread a stage); a stage whose weights fit in the "
+            "CPU's caches can beat the DRAM roofline. The goal is "
+            f"{ROOFLINE_GOAL:.0%} or more.\n\n"
+            + table(["plant", "stage", "weights held", "decode step", "roofline",
+                     "roofline / step"], rows))
+
+
+def _seed_shape(result: BenchResult) -> str:
+    seed = result.seed_shape
+    if seed is None:
+        return ("## The seed's model shape\n\nNot measured (`--quick` or "
+                "`--no-seed-shape`).")
+    rows = [[f"edgebus, 3 stages over Mosquitto, {run.weights} ({run.engine})",
+             f"{run.completion.tok_s and seed.tokens / run.completion.tok_s:.1f} s",
+             rate(run.completion.tok_s), ms(run.completion.ttft_s), mib(run.weight_bytes)]
+            for run in seed.runs]
+    for quant, stats in seed.llama_cpp.items():
+        label = f"llama.cpp in one process, {quant} ({result.machine.usable_cores} threads)"
+        if isinstance(stats, Skipped):
+            rows.append([label, stats.reason, "", "", ""])
+        else:
+            rows.append([label, f"{seed.tokens / stats.tok_s:.1f} s", rate(stats.tok_s),
+                         ms(stats.ttft_s), ""])
+    return ("## The seed's model shape: DeepSeek-Coder-1.3B\n\n"
+            "Random weights of DeepSeek-Coder-1.3B's shape (hidden 2048, 24 layers, FFN 5504, "
+            "vocabulary 32256; speed does not depend on the values), made by the bench "
+            f"(`{seed.model}`), and llama.cpp on GGUFs of the same shape made with llama.cpp's "
+            f"own converter and quantizer. The seed's headline metric: a {seed.tokens}-token "
+            f"completion of a {seed.prompt_tokens}-token code prompt, one request, seconds "
+            "from send to the last token. edgebus: 3 stages over Mosquitto on this machine, "
+            "one thread each.\n\n"
+            + table(["", f"{seed.tokens}-token completion", "tok/s", "TTFT", "weights held"],
+                    rows))
 
 
 def _boxes(result: BenchResult) -> str:
@@ -370,8 +581,9 @@ def _definitions(result: BenchResult) -> str:
 _STAGE_COMPUTE = (
     "## Stage compute\n\nWhat was tried to make a stage's forward pass faster (bf16, int8, "
     "torch.compile, batching), with numbers: [stage-compute.md](stage-compute.md), "
-    "made by `python -m edgebus.bench.compute`. The weight modes a plant can choose per node "
-    "(fp32, bf16, int8), with tokens/s, stage RSS, greedy agreement with fp32 and perplexity: "
+    "made by `python -m edgebus.bench.compute`. The engines and weight modes a plant can "
+    "choose per node (torch: fp32, bf16, int8; onnxruntime: fp32, int8, int4), with "
+    "tokens/s, stage RSS, greedy agreement with torch fp32 and perplexity: "
     "[weight-modes.md](weight-modes.md), made by `python -m edgebus.bench.weights`.")
 
 
@@ -413,7 +625,11 @@ def write_plot(result: BenchResult, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in result.pipelines:
         ax.plot([s.concurrency for s in run.load], [s.tok_s for s in run.load], marker="o",
-                label=f"3 stages, {run.broker}")
+                label=f"3 stages, {run.label}")
+    if result.peers is not None and not isinstance(result.peers.slots, Skipped):
+        ax.plot([s.concurrency for s in result.peers.slots],
+                [s.tok_s for s in result.peers.slots], marker="s", linestyle="--",
+                label=f"llama-server -np {TARGET_CONCURRENCY}")
     # Doubling steps of concurrency, evenly spaced and labelled as measured.
     ax.set_xscale("log", base=2)
     ax.set_xticks(result.settings.concurrency, [str(c) for c in result.settings.concurrency])

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgebus.bench.metrics import HopLatency, LoadStats, StreamStats
+from plant_config.schema import WeightMode
+
+if TYPE_CHECKING:
+    from edgebus.bench.peers import PeerRuns, Skipped
 
 BROKERS = ("amqtt", "mosquitto")
+# The pipeline's weight modes: fp32 (torch, the exact reference) on every broker, and the
+# fast mode on the production broker only (the broker is not what it is about).
+WEIGHT_MODES: tuple[WeightMode, ...] = ("fp32", "int4")
 # Requests per closed-loop client, single-stream runs, and concurrency levels.
 FULL_REQUESTS_EACH, QUICK_REQUESTS_EACH = 2, 1
 FULL_RUNS, QUICK_RUNS = 3, 2
@@ -23,6 +31,9 @@ class BenchSettings:
     quick: bool
     brokers: tuple[str, ...]
     tokens: int  # generated per request, every request
+    weights: tuple[WeightMode, ...] = WEIGHT_MODES
+    # The seed's model shape (DeepSeek-Coder-1.3B, random weights): minutes per variant.
+    seed_shape: bool = True
 
     @property
     def concurrency(self) -> tuple[int, ...]:
@@ -48,6 +59,8 @@ class BenchSettings:
         parts += ["--quick"] if self.quick else []
         parts += [] if self.brokers == BROKERS else ["--brokers", ",".join(self.brokers)]
         parts += [] if self.tokens == default else ["--tokens", str(self.tokens)]
+        parts += [] if self.weights == WEIGHT_MODES else ["--weights", ",".join(self.weights)]
+        parts += [] if self.seed_shape or self.quick else ["--no-seed-shape"]
         return " ".join(parts)
 
 
@@ -97,6 +110,8 @@ class Wire:
 @dataclass(frozen=True)
 class PipelineRun:
     broker: str
+    weights: str
+    engine: str                   # what `engine: auto` runs `weights` on
     single: StreamStats
     load: list[LoadStats]
     long_ttft_s: float
@@ -111,6 +126,12 @@ class PipelineRun:
     single_peak_rss: dict[str, int]
     peak_rss: dict[str, int]
     end_rss: dict[str, int]
+    # stage node -> its status's `engine`: kernel choice and weight bytes
+    engines: dict[str, dict[str, str | int | float]]
+
+    @property
+    def label(self) -> str:
+        return f"{self.weights} ({self.engine}) over {self.broker}"
 
     def at(self, concurrency: int) -> LoadStats | None:
         return next((s for s in self.load if s.concurrency == concurrency), None)
@@ -121,6 +142,27 @@ class BoxesRun:
     stages: int
     layers: list[tuple[int, int]]  # each stage's [first, last + 1)
     load: list[LoadStats]
+
+
+@dataclass(frozen=True)
+class SeedShapeRun:
+    """One engine and weight mode of the seed's model shape, 3 stages over Mosquitto."""
+
+    engine: str
+    weights: str
+    completion: StreamStats       # SEED_COMPLETION_TOKENS generated, one request
+    weight_bytes: int             # all stages together
+
+
+@dataclass(frozen=True)
+class SeedShape:
+    """The seed's model shape (DeepSeek-Coder-1.3B, random weights) beside llama.cpp."""
+
+    model: str
+    prompt_tokens: int
+    tokens: int
+    runs: list[SeedShapeRun]
+    llama_cpp: dict[str, StreamStats | Skipped]  # GGUF type -> llama-server single stream
 
 
 @dataclass(frozen=True)
@@ -140,3 +182,6 @@ class BenchResult:
     one_core: OneCoreBaseline | None  # None with --quick
     elapsed_s: float
     notes: list[str]
+    bandwidth_gbs: float | None = None   # memory read bandwidth of one thread
+    peers: PeerRuns | None = None        # llama.cpp's own tools on the bundled GGUF
+    seed_shape: SeedShape | None = None  # None with --quick or --no-seed-shape

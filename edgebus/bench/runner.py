@@ -26,10 +26,11 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from broker.mosquitto import MosquittoProcess, mosquitto_version
-from edgebus.bench import baseline
+from edgebus.bench import baseline, peers, roofline
 from edgebus.bench.gateway import Gateway, Sniffer, broker_hop, closed_loop
 from edgebus.bench.metrics import (
     LoadStats,
+    StreamStats,
     counter_delta,
     hop_overhead,
     load_stats,
@@ -47,6 +48,8 @@ from edgebus.bench.results import (
     BoxesRun,
     Machine,
     PipelineRun,
+    SeedShape,
+    SeedShapeRun,
     Wire,
 )
 from edgebus.bench.workload import chat_request, long_prompt, long_request, request_id
@@ -55,11 +58,13 @@ from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.messages import GenerateRequest
 from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
 from edgebus.processes import LOOPBACK, free_port, idle_agent_rss
+from node_agent.engines.onnx_engine import prepare_graphs
+from node_agent.engines.tuning import cpu_model
 from node_agent.profile import model_costs
 from node_agent.text import prompt_ids
 from plant_config import Plant, make_plant, write_plant
 from plant_config.planner import balanced_split
-from plant_config.schema import EMBEDDED
+from plant_config.schema import EMBEDDED, EngineName, WeightMode, resolve_engine
 
 # The pipeline under test: SmolLM2's 30 layers over 3 stages, split as
 # `edgebus plan` splits them over equal boxes (see _plant).
@@ -81,6 +86,18 @@ SETTLE_S = 0.5
 # The counters a stage's status metrics must carry for the per-hop overhead.
 STAGE_COUNTERS = ("compute_s", "steps")
 _GIB = 1024**3
+# The seed's headline metric: a 256-token code completion, in seconds.
+SEED_COMPLETION_TOKENS = 256
+SEED_PROMPT = ('def parse_alarm_log(path):\n    """Read a PLC alarm log (CSV: time, code, '
+               'machine, text) and return the alarms per machine, newest first."""\n')
+# Engines and modes of the seed's shape: both engines in 8 bits, onnxruntime in 4, and the
+# fp32 reference. (torch has no 4-bit mode: docs/weight-modes.md.)
+SEED_VARIANTS: tuple[tuple[EngineName, WeightMode], ...] = (
+    ("torch", "fp32"), ("torch", "int8"), ("onnxruntime", "int8"), ("onnxruntime", "int4"))
+# The GGUF types llama.cpp runs the seed's shape in: 4 and 8 bits, as edgebus.
+SEED_GGUF_TYPES = ("Q4_0", "Q8_0")
+# llama.cpp RPC splits the model over as many workers as the pipeline has stages.
+RPC_SERVERS = PIPELINE_STAGES
 
 
 def run_bench(settings: BenchSettings) -> BenchResult:
@@ -104,8 +121,11 @@ def run_bench(settings: BenchSettings) -> BenchResult:
     workdir = Path(tempfile.mkdtemp(prefix="edgebus-bench-"))
     notes: list[str] = []
 
-    phases = 3 + len(settings.brokers) + (3 if settings.boxes else 0)
-    print(f"edgebus bench: {phases} phases; plant files and agent logs in {workdir}", flush=True)
+    runs = _pipeline_runs(settings)
+    seed = settings.seed_shape and not settings.quick
+    phases = 5 + len(runs) + (3 if settings.boxes else 0) + (1 if seed else 0)
+    print(f"edgebus bench on {machine.cpu}: {phases} phases; plant files and agent logs in "
+          f"{workdir}", flush=True)
     with tqdm(total=phases, unit="phase", file=sys.stdout) as bar:
         with _phase(bar, "baseline: transformers"):
             hf = baseline.run_transformers(model_dir, tokenizer, tokens=settings.tokens,
@@ -114,13 +134,21 @@ def run_bench(settings: BenchSettings) -> BenchResult:
         with _phase(bar, "baseline: llama.cpp"):
             llama = baseline.run_llama_cpp(bundled_gguf(), chat_ids, tokens=settings.tokens,
                                            runs=settings.runs, threads=cores)
+        with _phase(bar, "peers: llama.cpp's server and RPC"):
+            peer_runs = peers.run_peers(
+                bundled_gguf(), chat_ids, tokens=settings.tokens, runs=settings.runs,
+                single_threads=sorted({1, cores}), threads=cores,
+                concurrency=settings.concurrency, requests_each=settings.requests_each,
+                rpc_servers=RPC_SERVERS, log_dir=workdir / "peers")
+        with _phase(bar, "memory bandwidth"):
+            bandwidth = roofline.read_bandwidth()
         with _phase(bar, "idle agent memory"):
             idle = idle_agent_rss(model_dir)
         pipelines: list[PipelineRun] = []
-        for broker in settings.brokers:
-            with _phase(bar, f"pipeline: {broker}"):
+        for broker, weights in runs:
+            with _phase(bar, f"pipeline: {weights} over {broker}"):
                 pipelines.append(run_pipeline(broker, model_dir, workdir, settings, prompt,
-                                              notes))
+                                              notes, weights=weights))
         boxes: list[BoxesRun] = []
         one_core = None
         if settings.boxes:
@@ -132,6 +160,10 @@ def run_bench(settings: BenchSettings) -> BenchResult:
             for stages in (1, 2):
                 with _phase(bar, f"boxes: {stages} pinned stage(s)"):
                     boxes.append(run_boxes(stages, cpus, model_dir, workdir, settings))
+        seed_shape = None
+        if seed:
+            with _phase(bar, "the seed's model shape (DeepSeek-Coder-1.3B, random weights)"):
+                seed_shape = run_seed_shape(workdir)
 
     layers = balanced_split(model_costs(model_dir)[0], PIPELINE_STAGES)
     result = BenchResult(
@@ -141,7 +173,8 @@ def run_bench(settings: BenchSettings) -> BenchResult:
         stage_param_bytes=param_bytes_by_stage(baseline.checkpoint_tensor_bytes(model_dir),
                                                layers),
         pipelines=pipelines, boxes=boxes, one_core=one_core,
-        elapsed_s=time.monotonic() - started, notes=notes)
+        elapsed_s=time.monotonic() - started, notes=notes, bandwidth_gbs=bandwidth / 1e9,
+        peers=peer_runs, seed_shape=seed_shape)
     text, plot = write_report(result)
     print(text)
     print(f"wrote {settings.out}" + (f" and {plot}" if plot is not None else
@@ -173,9 +206,7 @@ def _check_settings(settings: BenchSettings) -> None:
 
 
 def machine_info() -> Machine:
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown")
+    cpu = cpu_model()
     meminfo = Path("/proc/meminfo").read_text().split()
     memory_kib = int(meminfo[meminfo.index("MemTotal:") + 1])
     return Machine(cpu=cpu, cores=os.cpu_count() or 1, usable_cores=len(os.sched_getaffinity(0)),
@@ -195,14 +226,16 @@ def _version_or_none(package: str) -> str | None:
 
 
 def _plant(model_dir: Path, plant_id: str, stages: int, *, url: str | None = None,
-           threads: int | None = None) -> Plant:
+           threads: int | None = None, weights: WeightMode = "fp32",
+           engine: EngineName = "auto") -> Plant:
     """`stages` stages split as the planner splits equal boxes; the embedded broker on a free
     loopback port. Not an even split: the last stage also runs the LM head, and an even
     split leaves it the bottleneck while the other stages idle part of the time."""
     plant = make_plant(model_dir, stages=stages, broker=url or EMBEDDED, plant_id=plant_id)
     layers = balanced_split(model_costs(model_dir)[0], stages)
     update: dict[str, object] = {"stages": [
-        spec.model_copy(update={"layers": r, **({"threads": threads} if threads else {})})
+        spec.model_copy(update={"layers": r, "weights": weights, "engine": engine,
+                                **({"threads": threads} if threads else {})})
         for spec, r in zip(plant.stages, layers, strict=True)]}
     if plant.broker.embedded:
         update["broker"] = plant.broker.model_copy(update={"host": LOOPBACK,
@@ -212,6 +245,11 @@ def _plant(model_dir: Path, plant_id: str, stages: int, *, url: str | None = Non
 
 def _start(plant: Plant, workdir: Path, stack: contextlib.ExitStack,
            cpus: dict[str, list[int]] | None = None) -> PlantProcesses:
+    # onnxruntime stages build their graphs at first load: one at a time here, not in
+    # every agent at once on shared cores (and not against the plant's ready timeout).
+    for spec in plant.stages:
+        if resolve_engine(spec.engine, spec.weights) == "onnxruntime":
+            prepare_graphs(plant.model, *spec.layers, spec.weights)
     path = workdir / f"{plant.plant_id}.yaml"
     write_plant(plant, path)
     processes = stack.enter_context(PlantProcesses(path, log_dir=workdir / plant.plant_id,
@@ -223,8 +261,16 @@ def _start(plant: Plant, workdir: Path, stack: contextlib.ExitStack,
 # -- the 3-stage pipeline on one broker -----------------------------------------------
 
 
+def _pipeline_runs(settings: BenchSettings) -> list[tuple[str, WeightMode]]:
+    """(broker, weights) of each pipeline phase: fp32 on every broker, other modes on the
+    production broker (Mosquitto if measured)."""
+    production = "mosquitto" if "mosquitto" in settings.brokers else settings.brokers[0]
+    return [(broker, weights) for weights in settings.weights for broker in settings.brokers
+            if weights == "fp32" or broker == production]
+
+
 def run_pipeline(broker: str, model_dir: Path, workdir: Path, settings: BenchSettings,
-                 prompt: str, notes: list[str]) -> PipelineRun:
+                 prompt: str, notes: list[str], *, weights: WeightMode = "fp32") -> PipelineRun:
     """Start the plant on `broker` ("amqtt": the embedded one), measure it, stop it."""
     with contextlib.ExitStack() as stack:
         url: str | None = None
@@ -234,11 +280,12 @@ def run_pipeline(broker: str, model_dir: Path, workdir: Path, settings: BenchSet
             url = mosquitto.url
             if mosquitto.pid is not None:
                 extra_pids["mosquitto"] = mosquitto.pid
-        plant = _plant(model_dir, f"bench-{broker}", PIPELINE_STAGES, url=url)
+        plant = _plant(model_dir, f"bench-{broker}-{weights}", PIPELINE_STAGES, url=url,
+                       weights=weights)
         processes = _start(plant, workdir, stack)
         run = asyncio.run(_measure_pipeline(broker, processes, settings, prompt, extra_pids))
     if run.compute_per_step_s is None:
-        notes.append(f"{broker}: the stages' status metrics ({', '.join(STAGE_COUNTERS)}) were "
+        notes.append(f"{run.label}: the stages' status metrics ({', '.join(STAGE_COUNTERS)}) were "
                      f"missing or not refreshed within {METRICS_WAIT_S:.0f} s, so the pipeline "
                      "overhead per hop is n/a")
     return run
@@ -273,9 +320,15 @@ async def _measure_pipeline(broker: str, processes: PlantProcesses, settings: Be
                 for concurrency in settings.concurrency]
         # Read before the stop: the peak includes every KV cache of the highest concurrency.
         rss = {name: baseline.rss(pid) for name, pid in pids.items()}
+        engines = {stage.node: status.engine for stage in plant.stages
+                   if (status := gateway.statuses.get(stage.node)) is not None
+                   and status.engine is not None}
     hops = len(plant.stages) + 1
     overhead = None if compute is None else hop_overhead(single.itl_p50_s, compute, hops)
-    return PipelineRun(broker=broker, single=single, load=load, long_ttft_s=long_ttft,
+    spec = plant.stages[0]
+    return PipelineRun(broker=broker, weights=spec.weights,
+                       engine=resolve_engine(spec.engine, spec.weights), engines=engines,
+                       single=single, load=load, long_ttft_s=long_ttft,
                        wire=wire, hop=hop, compute_per_step_s=compute,
                        overhead_per_hop_s=overhead,
                        online_peak_rss=online_peak, single_peak_rss=single_peak,
@@ -359,3 +412,58 @@ async def _measure_boxes(processes: PlantProcesses, settings: BenchSettings,
         load = [await _load(gateway, chat, concurrency, settings)
                 for concurrency in BOXES_CONCURRENCY]
     return BoxesRun(stages=len(processes.plant.stages), layers=layers, load=load)
+
+
+# -- the seed's model shape ------------------------------------------------------------
+
+
+def run_seed_shape(workdir: Path) -> SeedShape:
+    """Each of SEED_VARIANTS as 3 stages over Mosquitto on a random-weight model of
+    DeepSeek-Coder-1.3B's shape, and llama.cpp on GGUFs of the same shape: one
+    SEED_COMPLETION_TOKENS-token completion each."""
+    model_dir = peers.make_seed_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = prompt_ids(tokenizer, _seed_request("ids"))
+    runs = []
+    for engine, weights in SEED_VARIANTS:
+        with contextlib.ExitStack() as stack:
+            mosquitto = stack.enter_context(MosquittoProcess(workdir / "mosquitto-seed"))
+            plant = _plant(model_dir, f"bench-seed-{engine}-{weights}", PIPELINE_STAGES,
+                           url=mosquitto.url, weights=weights, engine=engine)
+            processes = _start(plant, workdir, stack)
+            runs.append(asyncio.run(_measure_seed(processes, engine, weights)))
+    tools = peers.find_tools()
+    llama: dict[str, StreamStats | peers.Skipped] = {}
+    for quant in SEED_GGUF_TYPES:
+        if isinstance(tools, peers.Skipped):
+            llama[quant] = tools
+            continue
+        try:
+            gguf = peers.seed_gguf(tools, model_dir, quant)
+            llama[quant] = peers.measure_single(
+                tools, gguf, ids, tokens=SEED_COMPLETION_TOKENS, runs=1,
+                threads=len(os.sched_getaffinity(0)), log_dir=workdir / "peers-seed")
+        except EdgebusError as exc:
+            llama[quant] = peers.Skipped(str(exc))
+    return SeedShape(model=peers.SEED_MODEL_NAME, prompt_tokens=len(ids),
+                     tokens=SEED_COMPLETION_TOKENS, runs=runs, llama_cpp=llama)
+
+
+def _seed_request(name: str, tokens: int = SEED_COMPLETION_TOKENS) -> GenerateRequest:
+    return GenerateRequest(id=request_id(name), prompt=SEED_PROMPT, max_tokens=tokens,
+                           ignore_eos=True, stream=True)
+
+
+async def _measure_seed(processes: PlantProcesses, engine: str, weights: str) -> SeedShapeRun:
+    await processes.wait_online(READY_TIMEOUT_S)
+    async with Gateway(processes.plant) as gateway:
+        for _ in range(WARMUP_REQUESTS):
+            await gateway.generate(_seed_request("seed-warmup", 8), REQUEST_TIMEOUT_S)
+        completion = stream_stats([await gateway.generate(_seed_request("seed"),
+                                                          REQUEST_TIMEOUT_S)])
+        weight_bytes = sum(int(status.engine.get("weight_bytes", 0))
+                           for stage in processes.plant.stages
+                           if (status := gateway.statuses.get(stage.node)) is not None
+                           and status.engine is not None)
+    return SeedShapeRun(engine=engine, weights=weights, completion=completion,
+                        weight_bytes=weight_bytes)

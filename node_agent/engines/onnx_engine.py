@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from edgebus.errors import EngineError
 from node_agent.blockwise import BlockQuantized
@@ -107,11 +107,8 @@ class OnnxEngine(StageEngine):
         self.slice = StageSlice(first, end, self.config.num_hidden_layers)
         self.weights, self.device = weights, device
         self.threads = threads or torch.get_num_threads()
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-                self.config, attn_implementation=onnx_graphs.TAP_ATTENTION,
-                dtype=torch.float32)
-        decoder = skeleton.get_decoder()
+        skeleton = _skeleton(self.config)
+        decoder = skeleton.get_decoder()  # type: ignore[no-untyped-call]
         onnx_graphs.check_supported(self.config, decoder.layers[first])
         # Attention runs in torch, with each layer's own scaling.
         self._layers = [_Layer(i, self.config.num_attention_heads,
@@ -250,6 +247,25 @@ def _session_options(threads: int) -> ort.SessionOptions:
 
 
 # -- building the graphs ------------------------------------------------------------
+
+
+def _skeleton(config: PretrainedConfig) -> PreTrainedModel:
+    """The whole model on the meta device (no memory), its layers exportable by parts."""
+    with torch.device("meta"):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, attn_implementation=onnx_graphs.TAP_ATTENTION, dtype=torch.float32)
+    return model
+
+
+def prepare_graphs(model_dir: Path, first: int, end: int, weights: WeightMode, *,
+                   progress: bool = True) -> Path:
+    """Build (unless cached) the graphs of layers [first, end) in `weights`, without loading
+    them: the bench prepares a plant's stages one at a time before starting its agents."""
+    config = AutoConfig.from_pretrained(model_dir)
+    skeleton = _skeleton(config)
+    layers = StageSlice(first, end, config.num_hidden_layers)
+    parts = onnx_graphs.stage_parts(first, end, layers.has_head)
+    return _graphs(model_dir, skeleton, layers, parts, weights, progress=progress)
 
 
 def _graphs(model_dir: Path, skeleton: PreTrainedModel, layers: StageSlice, parts: list[PartSpec],
