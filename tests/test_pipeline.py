@@ -99,14 +99,26 @@ async def test_a_prompt_arriving_mid_decode_shares_passes_and_stays_exact(
         smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
     """A long prompt's chunks ride in the decode batches of requests already generating
     (`mixed_steps`), and every request still gets generate()'s tokens."""
-    reqs = [GenerateRequest(id=f"early{i}", max_tokens=MAX_TOKENS, prompt=prompt)
+    reqs = [GenerateRequest(id=f"early{i}", max_tokens=MAX_TOKENS, prompt=prompt, stream=True)
             for i, prompt in enumerate(["A hydraulic press needs", "Conveyor belts slip when",
                                         "Before a shift, an operator checks"])]
     late = GenerateRequest(id="late", prompt=LONG_PROMPT, max_tokens=4)
     plant = plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["3-stages"], prefill_chunk=32)
+    decoding = {r.id: asyncio.Event() for r in reqs}
+
+    async def early(request: GenerateRequest) -> GenerateResponse:
+        return await ask(plant, request, client_id=f"gw-{request.id}",
+                         on_delta=lambda delta: decoding[request.id].set())
+
+    async def mid_decode() -> GenerateResponse:
+        # Once every early request streams text it is decoding, with most of its
+        # tokens to go: the late prompt's chunks find decode rows at every stage,
+        # however fast or slow this box is.
+        await asyncio.gather(*(event.wait() for event in decoding.values()))
+        return await ask(plant, late, client_id="gw-late")
+
     async with running(plant) as stages:
-        responses = await asyncio.gather(*(_ask_later(plant, r, 0.0) for r in reqs),
-                                         _ask_later(plant, late, 0.3))
+        responses = await asyncio.gather(*map(early, reqs), mid_decode())
     for request, response in zip([*reqs, late], responses, strict=True):
         assert response.tokens == reference_tokens(smollm2_dir, request), request.id
     assert all(stage.metrics["mixed_steps"] > 0 for stage in stages), \
