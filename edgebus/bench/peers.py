@@ -217,10 +217,12 @@ def build_tools(*, jobs: int | None = None, home: Path | None = None,
                   "llama_cpp_commit": commit, "targets": list(TARGETS),
                   "cmake_options": list(CMAKE_OPTIONS),
                   "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                  "build_minutes": round((time.monotonic() - started) / 60, 1)}
+                  "minutes_this_run": round((time.monotonic() - started) / 60, 1)}
+        for leftover in partial.glob("sdist-*"):  # an interrupted download's
+            shutil.rmtree(leftover, ignore_errors=True)
         (partial / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
         os.rename(partial, final)  # atomic: the cache is complete or absent
-    print(f"built {', '.join(TARGETS)} (llama.cpp {commit}) in {final / 'build' / 'bin'}; "
+    print(f"built {', '.join(TARGETS)} (llama.cpp commit {commit}) in {final / 'build' / 'bin'}; "
           f"source in {final / 'src'}", file=out, flush=True)
     return _layout(llama_version, final)
 
@@ -266,23 +268,25 @@ def _fetch_source(llama_version: str, partial: Path, out: TextIO) -> None:
 
 
 def _compile(tools: LlamaTools, partial: Path, jobs: int, out: TextIO) -> str:
-    """Configure and build TARGETS in `partial`/build; the llama.cpp commit they report."""
+    """Configure and build TARGETS in `partial`/build; the llama.cpp commit they report
+    ("unknown" when built from an sdist)."""
     build = partial / "build"
     log = partial / "build.log"
     print(f"configuring with CMake (log: {log})", file=out, flush=True)
     _run(["cmake", "-S", str(tools.source), "-B", str(build), *CMAKE_OPTIONS], log,
-         what="configuring llama.cpp (cmake)")
+         what="configuring llama.cpp (cmake)", append=True)  # a resumed build keeps its log
     print(f"compiling {', '.join(TARGETS)} with {jobs} job(s)", file=out, flush=True)
     _run(["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
           "--target", *TARGETS], log, what="compiling llama.cpp", out=out, append=True)
     result = subprocess.run([str(tools.binary("llama-server")), "--version"], env=tools.env(),
                             capture_output=True, text=True, check=False)
-    found = re.search(r"commit ([0-9a-f]+)", result.stdout + result.stderr)
-    if result.returncode != 0 or found is None:
+    if result.returncode != 0:
         raise EdgebusError(f"the freshly built llama-server does not run ({result.returncode}): "
                            f"{(result.stderr or result.stdout).strip()[-500:]} — delete "
                            f"{partial} and build again")
-    return found.group(1)
+    # "unknown" from an sdist: its vendored copy has no git history to read a commit from.
+    found = re.search(r"commit ([^\s)]+)", result.stdout + result.stderr)
+    return "unknown" if found is None else found.group(1)
 
 
 def _run(argv: Sequence[str], log: Path, *, what: str, out: TextIO | None = None,
