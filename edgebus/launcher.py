@@ -587,9 +587,9 @@ def _supervise(plant: PlantProcesses, now: float) -> int | None:
                 return 1
             delay = min(RESTART_MAX_DELAY_S, RESTART_DELAY_S * 2 ** (len(child.deaths) - 1))
             child.restart_at = now + delay
-            _say(f"{how}; restarting it in {delay:.0f} s (death {len(child.deaths)} of at most "
-                 f"{RESTART_LIMIT - 1} within {RESTART_WINDOW_S:.0f} s); the rest keep serving",
-                 error=True)
+            _say(f"{how}; restarting it in {delay:.0f} s (death {len(child.deaths)} within "
+                 f"{RESTART_WINDOW_S:.0f} s; at {RESTART_LIMIT} the plant stops); the rest keep "
+                 "serving", error=True)
         elif child.restart_at is not None and now >= child.restart_at:
             child.restart_at = None
             _say(f"restarted {child.name} (pid {plant.restart(child.name)})")
