@@ -47,8 +47,10 @@ def _init(args: argparse.Namespace) -> None:
     security = plant.security
     written = write_credentials(plant)
     passwords = [path for path in written if path.parent == security.credentials]
-    others = "".join(f" and {path}" for path in written if path not in passwords)
-    print(f"wrote {len(passwords)} passwords (mode 600) into {security.credentials}{others}")
+    kept = len(plant.identities()) - len(passwords)
+    print(f"wrote {len(passwords)} passwords (mode 600) into {security.credentials}"
+          + (f", kept the {kept} already there" if kept else "")
+          + "".join(f"; wrote {path}" for path in written if path not in passwords))
     print(f"security: every agent, gateway ({', '.join(security.gateways)}) and ops tool "
           f"({', '.join(security.ops)}) logs in as itself with its own password; the broker "
           "admits nobody else")
