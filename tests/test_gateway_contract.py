@@ -38,12 +38,16 @@ async def test_mosquitto_pub_and_sub_speak_the_contract(tiny_llama: Path,
     request = {"id": "job-7", "prompt": "Alarm 4711 on press 3 means", "max_tokens": 8,
                "ignore_eos": True}
     broker = ["-h", mosquitto_broker.host, "-p", str(mosquitto_broker.port)]
+    # A gateway with a persistent session, as a PLC's should be: subscribed once
+    # (-E: until the broker acknowledges it), the answer waits for it from then on.
+    session = [*broker, "-i", "plc-1-test", "-c", "-q", "1",
+               "-t", f"{plant.topic_root}/llm/response/plc-1/job-7"]
     async with running(plant):
+        subscribe = await asyncio.create_subprocess_exec("mosquitto_sub", *session, "-E")
+        assert await asyncio.wait_for(subscribe.wait(), WAIT_S) == 0
         sub = await asyncio.create_subprocess_exec(
-            "mosquitto_sub", *broker, "-q", "1", "-C", "1", "-W", str(int(WAIT_S)),
-            "-t", f"{plant.topic_root}/llm/response/plc-1/job-7",
+            "mosquitto_sub", *session, "-C", "1", "-W", str(int(WAIT_S)),
             stdout=asyncio.subprocess.PIPE)
-        await asyncio.sleep(0.5)  # mosquitto_sub has no "subscribed" signal
         pub = await asyncio.create_subprocess_exec(
             "mosquitto_pub", *broker, "-q", "1", "-t", f"{plant.topic_root}/llm/request/plc-1",
             "-m", json.dumps(request))
