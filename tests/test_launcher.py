@@ -26,12 +26,13 @@ from pathlib import Path
 import aiomqtt
 import pytest
 import yaml
-from brokers import LOOPBACK, BrokerHandle, free_port
+from brokers import BrokerHandle, free_port
 from pipeline import reference_tokens
 
 from edgebus.errors import EdgebusError
 from edgebus.launcher import RESTART_LIMIT, RESTART_MAX_DELAY_S, STOP_GRACE_S, PlantProcesses
 from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
+from edgebus.processes import LOOPBACK
 from plant_config import Plant, load_plant, make_plant, write_plant
 
 # Two stages keep the plant at four processes (broker, stages, coordinator),

@@ -119,8 +119,8 @@ def byte_ids(tok) -> list[int]:  # type: ignore[no-untyped-def]
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_incremental_deltas_equal_decoding_the_whole_text_each_step(
-        tok, byte_ids: list[int], data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+def test_incremental_deltas_equal_decoding_the_whole_text_each_step(  # type: ignore[no-untyped-def]
+        tok, byte_ids: list[int], data: st.DataObject) -> None:
     token = st.one_of(st.sampled_from(byte_ids), st.integers(0, tok.vocab_size - 1))
     ids = data.draw(st.lists(token, max_size=30))
     whole = decode(tok, ids)
