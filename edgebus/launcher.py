@@ -105,6 +105,7 @@ class _Child:
     # Supervision (`edgebus up`): whether any of its processes came online,
     # when it died within the restart window, and when it is due to start again.
     ever_online: bool = False
+    started_at: float = 0.0  # time.monotonic() when its current process was started
     deaths: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
     given_up: bool = False  # exited cleanly: left stopped, as systemd would
@@ -307,6 +308,7 @@ class PlantProcesses:
             child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=out,
                                           stderr=err, env=env, start_new_session=True,
                                           preexec_fn=child_setup(child.cpus))
+            child.started_at = time.monotonic()
         if child.log_path is not None:
             return
         assert child.proc.stdout is not None and child.proc.stderr is not None
@@ -544,7 +546,8 @@ async def _serve(plant: PlantProcesses, stop: asyncio.Event) -> int:
                 if seen_online.get(agent) != pid:
                     again = " again" if agent in seen_online else ""
                     seen_online[agent] = pid
-                    _say(f"{agent} online{again} after {now - started:.1f} s (pid {pid})")
+                    loaded = now - plant._by_name(agent).started_at
+                    _say(f"{agent} online{again} after {loaded:.1f} s (pid {pid})")
             if not up and online >= set(plant.agents):
                 up = True
                 print(_table(plant), flush=True)
