@@ -62,6 +62,9 @@ TINY_DEQUANTIZED = {"F32": 5, "Q5_0": 1}  # 2 norms a layer, the final norm; ffn
 # The kept import must be far smaller than fp32: Q4_1 is 0.78 bytes a weight as kept
 # (codes, fp32 scale and minimum, zero point), Q8_0 1.125, fp32 4.
 SMOLLM2_MAX_SIZE_RATIO = 0.30
+# The tiny kept model through MatMulNBits against its dequantized weights in torch: 0.7 %
+# of the largest logit measured, 9.5 % with the minimums left out.
+ORT_TOLERANCE = 0.03
 PROMPT_IDS = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646]])
 
 
@@ -215,16 +218,17 @@ def test_tiny_kept_import_reads_back_as_the_fp32_import(tiny_mixed: Path, tiny_k
 
 def test_every_kept_type_runs_in_an_onnxruntime_stage(tiny_kept: Path) -> None:
     """Q4_K's minimum, Q6_K's 16-weight blocks with zero points, and the rest go into
-    MatMulNBits as stored; what it computes is the dequantized weights' product, up to
-    the int8 rounding of activations it makes at ACCURACY_LEVEL 4."""
+    MatMulNBits as stored; what it computes is the dequantized weights' product (the
+    torch engine's, in fp32), up to the int8 rounding of activations it makes at
+    ACCURACY_LEVEL 4."""
     ids = torch.tensor([[1, 70, 71, 72, 73, 74]])
-    reference = load_engine(tiny_kept, 0, 2, engine="onnxruntime", weights="fp32")
+    reference = load_engine(tiny_kept, 0, 2, engine="torch", weights="fp32")
     kept = load_engine(tiny_kept, 0, 2, engine="onnxruntime", weights="int4")
     want = reference.step([ids], [KVCache()], [0])[0]
     got = kept.step([ids], [KVCache()], [0])[0]
     assert want is not None and got is not None
     assert torch.isfinite(got).all()
-    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got - want).abs().max() < ORT_TOLERANCE * want.abs().max()
     # The kept stage holds codes, not fp32: well under half the fp32 stage's bytes.
     assert kept.param_bytes < 0.5 * reference.param_bytes
 
