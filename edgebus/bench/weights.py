@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/weight-modes.md"))
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
-    model_dirs = {False: ensure_demo_model(), **_kept_import()}
+    model_dirs = {False: ensure_demo_model(), True: ensure_demo_model(keep_quantized=True)}
     # The cores may be shared: the load says how much, tok/s ratios within a run still hold.
     load = os.getloadavg()[0]
     results = measure(model_dirs)
@@ -259,14 +259,6 @@ def main() -> None:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     args.out.write_text(_document(results, stamp, load, text_tokens))
     print(f"wrote {args.out}")
-
-
-def _kept_import() -> dict[bool, Path]:
-    """The demo GGUF imported with its blocks kept, if this edgebus can (keyed True)."""
-    from edgebus import model_import
-
-    keep = getattr(model_import, "ensure_kept_demo_model", None)
-    return {} if keep is None else {True: keep()}
 
 
 def _document(results: list[VariantResult], stamp: str, load: float, text_tokens: int) -> str:
