@@ -17,10 +17,12 @@ agent (or the embedded broker) that crashes or is killed is reported, with
 how it died, and started again after a backoff, while the rest keep serving,
 so a standby takes over the dead node's requests. It stops everything only on
 Ctrl-C or SIGTERM, or when one agent keeps dying (RESTART_LIMIT times within
-RESTART_WINDOW_S). An agent that dies before it ever came online is not
+RESTART_WINDOW_S). An agent that exits before it ever came online is not
 restarted: nothing it ran has worked yet, which is a configuration problem
 (a bad plant file, a missing password file) that a restart would repeat, so
-`up` stops with that agent's last output.
+`up` stops with that agent's last output. One killed by a signal is, even
+then: a kill says nothing about its configuration, and `up` may simply not
+have seen its "online" yet.
 """
 
 from __future__ import annotations
@@ -570,7 +572,7 @@ def _supervise(plant: PlantProcesses, now: float) -> int | None:
             continue
         if child.restart_at is None and proc.poll() is not None:
             how = plant.describe_exit(child.name)
-            if not child.ever_online:
+            if not child.ever_online and proc.returncode >= 0:
                 raise EdgebusError(f"{how} before it came online.\n"
                                    f"{plant._tail_report(child.name)}")
             if proc.returncode == 0:

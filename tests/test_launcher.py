@@ -407,6 +407,22 @@ async def next_child(parent: int, known: set[int], timeout: float) -> int:
     return pid
 
 
+def test_an_agent_that_cannot_start_stops_up_with_its_error(tiny_llama: Path,
+                                                           tmp_path: Path) -> None:
+    """A configuration error a restart would only repeat: `up` stops and quotes it."""
+    plant_path = tmp_path / "plant.yaml"
+    edgebus_cli("init", str(plant_path), "--model", str(tiny_llama), "--stages", "2")
+    plant = on_a_free_port(plant_path)
+    assert plant.security is not None
+    (plant.security.credentials / "stage-1.password").unlink()
+    with edgebus_up(plant_path, tmp_path) as up:
+        assert wait_exit(up, READY_S + STOP_S) == 2
+    report = (tmp_path / "up.out").read_text()
+    assert "stage-1 (pid" in report and "exited with code 2 before it came online" in report
+    assert "no password for 'stage-1'" in report
+    assert "restarting" not in report
+
+
 def test_a_taken_broker_port_fails_before_anything_starts(tiny_llama: Path,
                                                           tmp_path: Path) -> None:
     plant_path, plant = plant_file(tiny_llama, tmp_path)
