@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import onnxruntime as ort
 import pytest
 import torch
 from brokers import BrokerHandle
@@ -18,6 +19,7 @@ from pipeline import ask_all, engine_tokens, plant_for, running, stage_model
 from test_pipeline import SMOLLM2_SPLITS, requests
 from tiny_models import build_tiny
 
+from edgebus.errors import EngineError
 from node_agent.engines import load_engine
 from node_agent.engines.onnx_engine import CACHE_DIR
 from node_agent.kv_cache import KVCache
@@ -112,3 +114,10 @@ def test_onnx_honours_a_sliding_window(tmp_path: Path, smollm2_dir: Path) -> Non
         layer.self_attn.config.sliding_window = None
     assert (unwindowed.prefill(ids, KVCache(), 0) - reference).abs().max() \
         > 1e-2 * reference.abs().max()
+
+
+def test_a_device_this_onnxruntime_lacks_is_refused_saying_what_to_do(tiny_llama: Path) -> None:
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has a CUDA execution provider")
+    with pytest.raises(EngineError, match=r"no cuda execution provider .* set `device: cpu`"):
+        load_engine(tiny_llama, 0, 6, engine="onnxruntime", weights="int8", device="cuda")
