@@ -27,7 +27,8 @@ from plant_config.schema import EngineName, WeightMode
 
 # (engine, weights) pairs other than the reference, torch fp32.
 MODES: list[tuple[EngineName, WeightMode]] = [
-    ("onnxruntime", "int4"), ("onnxruntime", "int8"), ("onnxruntime", "fp32"), ("torch", "int8")]
+    ("onnxruntime", "int4"), ("onnxruntime", "int8"), ("onnxruntime", "fp32"), ("torch", "int8"),
+    ("torch", "bf16")]
 SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
 
 
@@ -56,12 +57,13 @@ def test_onnx_fp32_computes_what_torch_computes(smollm2_dir: Path) -> None:
     assert (onnx - reference).abs().max() < 1e-3 * reference.abs().max()
 
 
-@pytest.mark.parametrize("weights", ["int4", "fp32"])
-def test_a_batched_step_computes_each_request_as_alone(smollm2_dir: Path,
+@pytest.mark.parametrize(("engine", "weights"), MODES, ids=[f"{e}-{w}" for e, w in MODES])
+def test_a_batched_step_computes_each_request_as_alone(smollm2_dir: Path, engine: EngineName,
                                                        weights: WeightMode) -> None:
     """Decode rows at different positions and a prompt chunk, in one call, each give what
-    their request gives on its own (the per-request attention is what must not mix)."""
-    model = stage_model(smollm2_dir, 0, 30, weights, "onnxruntime")
+    their request gives on its own: the per-request attention must not mix requests, and
+    a product's row must not depend on the other rows (bf16 did, for one row alone)."""
+    model = stage_model(smollm2_dir, 0, 30, weights, engine)
     prompts = [torch.arange(100, 100 + n).unsqueeze(0) for n in (5, 9, 7)]
 
     def caches() -> list[KVCache]:

@@ -94,8 +94,9 @@ SEED_PROMPT = ('def parse_alarm_log(path):\n    """Read a PLC alarm log (CSV: ti
 # fp32 reference. (torch has no 4-bit mode: docs/weight-modes.md.)
 SEED_VARIANTS: tuple[tuple[EngineName, WeightMode], ...] = (
     ("torch", "fp32"), ("torch", "int8"), ("onnxruntime", "int8"), ("onnxruntime", "int4"))
-# The GGUF types llama.cpp runs the seed's shape in: 4 and 8 bits, as edgebus.
-SEED_GGUF_TYPES = ("Q4_0", "Q8_0")
+# The GGUF types llama.cpp runs the seed's shape in: 4 and 8 bits, as edgebus; Q4_1 is
+# the 4-bit form closest to edgebus's int4 (a float minimum per block), Q4_0 the leanest.
+SEED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # llama.cpp RPC splits the model over as many workers as the pipeline has stages.
 RPC_SERVERS = PIPELINE_STAGES
 
