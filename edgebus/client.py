@@ -48,6 +48,11 @@ RECONNECT_MAX_S = 10.0
 PUBLISH_WAIT_S = 30.0
 # How long a clean close waits for the broker to ack the "offline" status.
 CLOSE_TIMEOUT_S = 2.0
+# Messages `send` may hold while the connection is down. A stage sends a few
+# per forward pass and the coordinator one per request step, so a broker
+# restart of a few seconds leaves far fewer; past the bound the agents' replay
+# after the reconnect recovers what they carried, so holding more buys nothing.
+MAX_WAITING_SENDS = 1024
 # How long the broker keeps a persistent session (MQTT 5) after a disconnect:
 # a day covers a coordinator box being down over a shift; requests queued
 # longer than that are better re-sent by the gateway.
@@ -102,7 +107,17 @@ class BusClient:
     # Called after every (re)connect, once subscribed: a reconnect may have lost
     # messages in flight (the broker restarted), so the agent may need to resend.
     on_connect: list[Callable[[], None]] = field(default_factory=list)
+    # Acknowledge QoS 1 messages only once the handler is done with them (see defer_ack).
+    manual_ack: bool = False
+    # Reconnect after a lost connection. False: `run` returns when the first
+    # connection ends (a coordinator draining a dead peer's session must not
+    # take it back from the peer that reconnected).
+    reconnect: bool = True
+    # MQTT 5 session expiry for a persistent session.
+    session_expiry_s: int = SESSION_EXPIRY_S
+    unsent: int = field(default=0, init=False)  # messages refused at MAX_WAITING_SENDS
     _client: aiomqtt.Client | None = field(default=None, init=False)
+    _deferred: set[int] = field(default_factory=set, init=False)  # id() of deferred messages
     _connected: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _sending: set[asyncio.Task[None]] = field(default_factory=set, init=False)  # send()s waiting
 
@@ -130,22 +145,27 @@ class BusClient:
         session: dict[str, object] = {}
         if self.persistent and self.mqtt5:
             props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-            props.SessionExpiryInterval = SESSION_EXPIRY_S
+            props.SessionExpiryInterval = self.session_expiry_s
             session = {"clean_start": False, "properties": props}
         elif self.persistent:
             session = {"clean_session": False}
-        return aiomqtt.Client(
+        client = aiomqtt.Client(
             ep.host, ep.port, username=ep.username, password=ep.password,
             identifier=self.client_id, will=will, keepalive=ep.keepalive_s,
             protocol=aiomqtt.ProtocolVersion.V5 if self.mqtt5 else aiomqtt.ProtocolVersion.V311,
             tls_context=tls_context, socket_options=[NODELAY],
             max_queued_incoming_messages=0, **session)  # type: ignore[arg-type]
+        if self.manual_ack:
+            client._client.manual_ack_set(True)  # the paho client under aiomqtt
+        return client
 
     async def run(self, handler: MessageHandler) -> None:
         """Connect, subscribe, announce, and feed messages to `handler` until cancelled.
 
         `handler` runs in the event loop for every message: it must only
         dispatch (enqueue, resolve a future, spawn a task), never compute.
+        With `manual_ack`, a message is acknowledged when `handler` returns
+        unless it called `defer_ack` for it.
         """
         delay = RECONNECT_INITIAL_S
         while True:
@@ -157,9 +177,14 @@ class BusClient:
                         async for message in client.messages:
                             if self._subscribed(message):
                                 handler(message)
+                            if self.manual_ack and message.qos > 0 and not self._took(message):
+                                client._client.ack(message.mid, message.qos)
                     finally:
                         self._connected.clear()
                         self._client = None
+                        self._deferred.clear()
+                if not self.reconnect:
+                    return
             except aiomqtt.MqttCodeError as exc:
                 # MQTT 3.1.1 gives an int, MQTT 5 a paho ReasonCode (its number in .value).
                 code = exc.rc if isinstance(exc.rc, int) else getattr(exc.rc, "value", None)
@@ -172,8 +197,30 @@ class BusClient:
             except aiomqtt.MqttError as exc:
                 log.warning("MQTT broker %s:%d unreachable (%s); retrying in %.1f s",
                             self.endpoint.host, self.endpoint.port, exc, delay)
+            if not self.reconnect:
+                return
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, RECONNECT_MAX_S)
+
+    def defer_ack(self, message: aiomqtt.Message) -> Ack:
+        """Call from the handler: acknowledge `message` later, by calling the returned Ack.
+
+        Until then the broker keeps the message in the session and delivers it
+        again after a reconnect (the agent must then recognise it). An Ack
+        called after its connection is gone does nothing: the new connection
+        gets the message again instead.
+        """
+        if not self.manual_ack:
+            raise BusError(f"{self.client_id}: defer_ack needs manual_ack=True")
+        self._deferred.add(id(message))
+        return Ack(self, self._client, message.mid, message.qos)
+
+    def _took(self, message: aiomqtt.Message) -> bool:
+        """Whether the handler deferred `message`'s acknowledgement (and forget it)."""
+        if id(message) in self._deferred:
+            self._deferred.discard(id(message))
+            return True
+        return False
 
     def _subscribed(self, message: aiomqtt.Message) -> bool:
         # A broker may deliver what matches none of our filters (a stock
@@ -236,6 +283,12 @@ class BusClient:
                 topic, payload, qos, False, properties if self.mqtt5 else None)
             if info.rc == paho.MQTT_ERR_SUCCESS:
                 return
+        if len(self._sending) >= MAX_WAITING_SENDS:
+            self.unsent += 1
+            log.error("not sending to %s: %d messages already wait for the broker connection "
+                      "(%d refused so far); the agents replay what they carried once it is "
+                      "back", topic, len(self._sending), self.unsent)
+            return
         task = asyncio.ensure_future(self.publish(topic, payload, qos=qos, properties=properties))
         self._sending.add(task)
         task.add_done_callback(self._sent)
@@ -265,3 +318,21 @@ class BusClient:
                                  retain=True, timeout=CLOSE_TIMEOUT_S)
         except aiomqtt.MqttError as exc:
             log.warning("could not publish offline status (%s); the Will covers it", exc)
+
+
+@dataclass
+class Ack:
+    """Acknowledges one QoS 1 message on the connection it came in on (see BusClient.defer_ack)."""
+
+    bus: BusClient
+    client: aiomqtt.Client | None
+    mid: int
+    qos: int
+    done: bool = False
+
+    def __call__(self) -> None:
+        if self.done or self.qos == 0:
+            return
+        self.done = True
+        if self.client is not None and self.client is self.bus._client:
+            self.client._client.ack(self.mid, self.qos)

@@ -6,7 +6,9 @@
     5      1     kind    TOKENS | HIDDEN | CANDIDATES | RELEASE | ERROR
     6      1     dtype   code of the payload's element type
     7      1     flags   bit 0: payload is LZ4-compressed; bit 1: prefill (prompt or
-                 replay positions, any count) rather than one decode step
+                 replay positions, any count) rather than one decode step; bit 2
+                 (ERROR only): a replay can recover the request; bit 3 (ERROR
+                 only): ... once the stage has room again (it refused the frame)
     8      8     request sequence id (u64, assigned by the coordinator)
     16     4     route epoch (u32): frames of an abandoned route are recognisable
     20     4     step (u32): 0 = prefill, n = n-th decode step
@@ -35,7 +37,15 @@ close to incompressible FP16 (measured: LZ4 saves ~0 %), so we try LZ4 only on
 payloads big enough to matter and send raw otherwise, without an extra copy.
 A CANDIDATES payload is `count x k` int32 token ids followed by as many float32
 logits: the top-k the coordinator samples from, not the whole vocabulary. An
-ERROR payload is UTF-8 text: why a stage gave up on the request.
+ERROR payload is UTF-8 text: why a stage gave up on the request, or (flag
+bit 2) why it could not go on with it, such as a frame that never arrived,
+which the coordinator answers with a replay.
+
+Nothing a message says is allocated before it is checked against the
+receiver's `FrameLimits`, derived from the plant: how big a legal frame can be
+and how many frames a legal message carries. `scan` reads only the headers,
+so a message past either limit (say, an LZ4 bomb: 4 MiB that claim 1 GiB) is
+refused before any payload is decompressed.
 """
 
 from __future__ import annotations
@@ -64,9 +74,15 @@ LZ4_MIN_BYTES = 4096
 # Keep the compressed form only if it saves at least 1/8: a smaller gain is not
 # worth the decompression on a slow box.
 LZ4_MIN_SAVING = 0.125
-# A frame larger than this is refused before decompression: a prefill chunk of
-# 4096 positions of a 4096-wide FP32 model is 64 MiB, well below it.
-MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+# An ERROR frame's reason is cut to this many bytes: a sentence or two, and
+# an error about a hostile frame must not be a way to send big ones.
+MAX_ERROR_BYTES = 1024
+# Most decode rows a stage runs as one forward pass (node_agent/stage.py); a
+# batch's output message carries at most one frame per row and one prompt chunk.
+MAX_BATCH_ROWS = 32
+# Bytes a frame's dtype may take per element at most: float32 activations
+# (wire_dtype float16 halves it, token ids are int32 too).
+_WIDEST_ITEM = 4
 
 
 class Kind(enum.IntEnum):
@@ -92,6 +108,8 @@ _ITEM_SIZE = {DType.FLOAT16: 2, DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.INT32
               DType.CANDIDATES: 8, DType.UTF8: 1}
 FLAG_LZ4 = 0x01
 FLAG_PREFILL = 0x02
+FLAG_RETRY = 0x04
+FLAG_BUSY = 0x08
 # A route names one node per stage in a byte; no plant has 256 stages or replicas.
 MAX_ROUTE = 255
 
@@ -121,6 +139,8 @@ class Frame:
     prefill: bool = False
     compressed: bool = False
     wire_bytes: int = 0
+    retry: bool = False  # an ERROR that a replay of the request can recover from
+    busy: bool = False  # ... once the stage has room again: a refusal for lack of it
 
     def tensor(self) -> torch.Tensor:
         """The payload as a tensor (TOKENS, HIDDEN). Shares memory with the payload."""
@@ -184,20 +204,24 @@ def encode_release(header: Header) -> bytes:
                  candidates=0)
 
 
-def encode_error(header: Header, reason: str) -> bytes:
-    """Tell the coordinator why a stage gave up on the request."""
-    text = reason.encode("utf-8")
+def encode_error(header: Header, reason: str, *, retry: bool = False,
+                 busy: bool = False) -> bytes:
+    """Tell the coordinator why a stage gave up on the request; `retry`: why it cannot go on
+    with it as sent (a frame lost or bad), which a replay of the request recovers; `busy`:
+    the stage refused the frame for lack of room, so a replay should wait a little."""
+    text = reason.encode("utf-8")[:MAX_ERROR_BYTES].decode("utf-8", errors="ignore").encode()
+    flags = (FLAG_RETRY if retry or busy else 0) | (FLAG_BUSY if busy else 0)
     return _pack(Kind.ERROR, DType.UTF8, memoryview(text), (len(text),), header, start=0,
-                 count=0, candidates=0)
+                 count=0, candidates=0, flags=flags)
 
 
 def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], header: Header, *,
-          start: int, count: int, candidates: int, prefill: bool = False) -> bytes:
+          start: int, count: int, candidates: int, prefill: bool = False, flags: int = 0) -> bytes:
     if not 1 <= len(shape) <= 3:
         raise FrameError(f"a frame carries a 1-3 dimensional tensor, got shape {shape}")
     if len(header.route) > MAX_ROUTE or any(not 0 <= r <= MAX_ROUTE for r in header.route):
         raise FrameError(f"route {header.route} does not fit a frame")
-    flags, wire = FLAG_PREFILL if prefill else 0, raw
+    flags, wire = flags | (FLAG_PREFILL if prefill else 0), raw
     if len(raw) >= LZ4_MIN_BYTES:
         packed = lz4.block.compress(raw, store_size=False)
         if len(packed) <= len(raw) * (1 - LZ4_MIN_SAVING):
@@ -211,78 +235,240 @@ def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], head
     return b"".join((packed_header[:_CRC_SPAN], crc.to_bytes(4, "little"), route, wire))
 
 
-def decode(data: bytes) -> Frame:
+@dataclass(frozen=True)
+class FrameLimits:
+    """What a receiver accepts: the largest legal frame, and the most frames in one message.
+
+    Derived from the plant (`stage_limits`, `coordinator_limits`), so a message
+    past either is refused from its headers, before anything is decompressed.
+    """
+
+    max_payload: int  # decompressed payload bytes of one frame
+    max_frames: int  # frames in one message
+    max_route: int = MAX_ROUTE  # stages a route names
+
+    @property
+    def max_message(self) -> int:
+        """Bytes of the largest legal message: that many frames of the largest size."""
+        return self.max_frames * (HEADER_SIZE + self.max_route + self.max_payload)
+
+
+def frames_per_message(max_in_flight: int) -> int:
+    """The most frames a legal message carries: a decode group holds at most every request
+    in flight (node_agent/groups.py), a batch's output one frame per row and a prompt chunk."""
+    return max(max_in_flight, MAX_BATCH_ROWS + 1)
+
+
+def stage_limits(*, prefill_chunk: int, hidden: int, max_in_flight: int,
+                 stages: int) -> FrameLimits:
+    """What a stage takes: TOKENS or HIDDEN frames of at most one prefill chunk."""
+    return FrameLimits(prefill_chunk * max(hidden, 1) * _WIDEST_ITEM,
+                       frames_per_message(max_in_flight), stages)
+
+
+def coordinator_limits(*, vocab: int, max_in_flight: int, stages: int) -> FrameLimits:
+    """What the coordinator takes: CANDIDATES (at most the whole vocabulary, when a request
+    asks top_k that high; 8 bytes each) and ERROR frames."""
+    return FrameLimits(max(vocab * _ITEM_SIZE[DType.CANDIDATES], MAX_ERROR_BYTES),
+                       frames_per_message(max_in_flight), stages)
+
+
+# For a single frame read outside any plant (tools, tests): a prefill chunk of
+# 4096 positions of a 4096-wide FP32 model is 64 MiB.
+SINGLE_FRAME = FrameLimits(64 * 1024 * 1024, 1)
+
+
+@dataclass(frozen=True)
+class Peek:
+    """A frame's header, read without checking the checksum or touching the payload."""
+
+    kind: Kind
+    dtype: DType
+    flags: int
+    request: int
+    epoch: int
+    step: int
+    start: int
+    count: int
+    candidates: int
+    shape: tuple[int, ...]
+    route: tuple[int, ...]
+    raw_bytes: int  # payload bytes once decompressed
+    offset: int  # where the frame starts in its message
+    body: int  # where its payload starts
+    end: int  # where it ends
+    crc: int
+
+    @property
+    def compressed(self) -> bool:
+        return bool(self.flags & FLAG_LZ4)
+
+    @property
+    def prefill(self) -> bool:
+        return bool(self.flags & FLAG_PREFILL)
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.end - self.offset
+
+    def header(self) -> Header:
+        return Header(self.request, self.epoch, self.step, self.route)
+
+
+class BatchError(FrameError):
+    """A message that is bad from frame len(good) + 1 on.
+
+    `good`: the frames before the bad one, decoded and checked. `suspects`: the
+    headers of the frames from the bad one on that could be read, unverified:
+    whom to tell that their frames did not make it.
+    """
+
+    def __init__(self, good: list[Frame], cause: FrameError,
+                 suspects: list[Header] | None = None) -> None:
+        where = f"frame {len(good) + 1} of the message: " if good else ""
+        super().__init__(f"{where}{cause}")
+        self.good = good
+        self.suspects = suspects or []
+
+
+def decode(data: bytes, limits: FrameLimits = SINGLE_FRAME) -> Frame:
     """Parse and check exactly one frame. Raises FrameError saying what is wrong."""
-    frame, end = _decode_at(data, 0)
-    if end != len(data):
-        raise FrameError(f"{len(data) - end} bytes follow the frame: truncated or padded")
-    return frame
+    peek, error = _scan_one(data, 0, limits)
+    if error is not None:
+        raise error
+    assert peek is not None
+    if peek.end != len(data):
+        raise FrameError(f"{len(data) - peek.end} bytes follow the frame: truncated or padded")
+    return _finish(data, peek)
 
 
-def decode_all(data: bytes) -> list[Frame]:
+def scan(data: bytes, limits: FrameLimits) -> list[Peek]:
+    """Read the headers of a message of one or more frames back to back (a batch).
+
+    Checks everything but the checksums and the payloads: structure, sizes
+    against `limits`, frame count. Nothing is allocated beyond the headers.
+    A message past a limit raises BatchError; a frame that cannot be read
+    raises BadTail, whose `peeks` are the frames before it (the caller may
+    still decode them with `decode_scanned`).
+    """
+    if len(data) > limits.max_message:
+        raise BatchError([], FrameError(
+            f"message of {len(data)} bytes is larger than the largest legal one "
+            f"({limits.max_message} bytes: {limits.max_frames} frames of at most "
+            f"{limits.max_payload} payload bytes)"))
+    peeks: list[Peek] = []
+    offset = 0
+    while offset < len(data) or not peeks:
+        if len(peeks) == limits.max_frames:
+            raise BatchError([], FrameError(
+                f"message carries more than {limits.max_frames} frames, the most a legal "
+                "one does"), [p.header() for p in peeks])
+        peek, error = _scan_one(data, offset, limits)
+        if error is not None:
+            raise BadTail(peeks, error, [] if peek is None else [peek.header()])
+        assert peek is not None
+        peeks.append(peek)
+        offset = peek.end
+    return peeks
+
+
+class BadTail(BatchError):
+    """A message whose frame len(peeks) + 1 cannot be read, after `peeks` that could."""
+
+    def __init__(self, peeks: list[Peek], cause: FrameError, suspects: list[Header]) -> None:
+        super().__init__([], cause, suspects)
+        self.peeks = peeks
+
+
+def decode_scanned(data: bytes, peeks: list[Peek]) -> list[Frame]:
+    """Check the checksums of scanned frames and decompress them (`decode_all`'s second half,
+    which a receiver may run on a worker thread: decompression is what costs)."""
+    result: list[Frame] = []
+    for index, peek in enumerate(peeks):
+        try:
+            result.append(_finish(data, peek))
+        except FrameError as exc:
+            raise BatchError(result, exc, [p.header() for p in peeks[index:]]) from None
+    return result
+
+
+def decode_all(data: bytes, limits: FrameLimits) -> list[Frame]:
     """Parse a message of one or more frames back to back (a batch).
 
     A bad frame ends the parse: without a trustworthy length there is no
     telling where the next one starts. The frames before it are returned
-    with the error, so one corrupt row does not cost the batch.
+    with the error, so one corrupt row does not cost the batch; a message
+    past `limits` is refused whole.
     """
-    result: list[Frame] = []
-    offset = 0
-    while offset < len(data) or not result:
-        try:
-            frame, offset = _decode_at(data, offset)
-        except FrameError as exc:
-            raise BatchError(result, exc) from None
-        result.append(frame)
-    return result
+    try:
+        peeks = scan(data, limits)
+    except BadTail as exc:
+        good = decode_scanned(data, exc.peeks)  # raises for a bad one among them instead
+        raise BatchError(good, FrameError(str(exc)), exc.suspects) from None
+    return decode_scanned(data, peeks)
 
 
-class BatchError(FrameError):
-    """A message whose frame number len(good) is bad; `good` holds the ones before it."""
+def _scan_one(data: bytes, offset: int,
+              limits: FrameLimits) -> tuple[Peek | None, FrameError | None]:
+    """The header at `offset`, and what is wrong with the frame (None: nothing seen so far).
 
-    def __init__(self, good: list[Frame], cause: FrameError) -> None:
-        where = f"frame {len(good) + 1} of the message: " if good else ""
-        super().__init__(f"{where}{cause}")
-        self.good = good
-
-
-def _decode_at(data: bytes, offset: int) -> tuple[Frame, int]:
+    The peek is returned with an error where the header itself could be read,
+    so the sender of a frame refused for its size can still be named.
+    """
     if len(data) - offset < HEADER_SIZE:
-        raise FrameError(f"frame of {len(data) - offset} bytes is shorter than the "
-                         f"{HEADER_SIZE}-byte header")
+        return None, FrameError(f"frame of {len(data) - offset} bytes is shorter than the "
+                                f"{HEADER_SIZE}-byte header")
     (magic, version, kind, code, flags, request, epoch, step, start, count, candidates, ndim,
      route_len, d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data, offset)
     if magic != MAGIC:
-        raise FrameError(f"bad magic {magic!r}: not an edgebus activation frame")
+        return None, FrameError(f"bad magic {magic!r}: not an edgebus activation frame")
     if version != VERSION:
-        raise FrameError(f"frame version {version}, this agent speaks {VERSION}: "
-                         "run the same edgebus version on every box")
+        return None, FrameError(f"frame version {version}, this agent speaks {VERSION}: "
+                                "run the same edgebus version on every box")
     if kind not in Kind.__members__.values() or code not in DType.__members__.values():
-        raise FrameError(f"unknown frame kind {kind} or dtype {code}")
+        return None, FrameError(f"unknown frame kind {kind} or dtype {code}")
     if not 1 <= ndim <= 3:
-        raise FrameError(f"frame ndim {ndim} outside 1..3")
+        return None, FrameError(f"frame ndim {ndim} outside 1..3")
     body = offset + HEADER_SIZE + route_len
     end = body + wire_len
     if end > len(data):
-        raise FrameError(f"frame says {route_len} route and {wire_len} payload bytes but "
-                         f"carries {len(data) - offset - HEADER_SIZE}: truncated")
-    view = memoryview(data)
-    route, wire = view[offset + HEADER_SIZE:body], view[body:end]
-    if zlib.crc32(wire, zlib.crc32(route, zlib.crc32(view[offset:offset + _CRC_SPAN]))) != crc:
-        raise FrameError("frame checksum mismatch: corrupted in transit")
+        return None, FrameError(f"frame says {route_len} route and {wire_len} payload bytes "
+                                f"but carries {len(data) - offset - HEADER_SIZE}: truncated")
     shape = (d0, d1, d2)[:ndim]
     raw_len = math.prod(shape) * _ITEM_SIZE[DType(code)]
-    if raw_len > MAX_PAYLOAD_BYTES:
-        raise FrameError(f"frame payload of {raw_len} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    peek = Peek(Kind(kind), DType(code), flags, request, epoch, step, start, count, candidates,
+                shape, tuple(data[offset + HEADER_SIZE:body]), raw_len, offset, body, end, crc)
+    if route_len > limits.max_route:
+        return peek, FrameError(f"route of {route_len} stages; this plant has "
+                                f"{limits.max_route}: run the same plant file on every box")
+    if raw_len > limits.max_payload:
+        return peek, FrameError(f"frame payload of {raw_len} bytes exceeds the largest legal "
+                                f"frame's {limits.max_payload} (prefill_chunk positions of "
+                                "the model's width in float32)")
+    if (wire_len > raw_len) if flags & FLAG_LZ4 else (wire_len != raw_len):
+        return peek, FrameError(f"payload holds {wire_len} bytes, shape {shape} needs "
+                                f"{raw_len}")
+    return peek, None
+
+
+def _finish(data: bytes, peek: Peek) -> Frame:
+    """Check a scanned frame's checksum and decompress its payload."""
+    view = memoryview(data)
+    route, wire = view[peek.offset + HEADER_SIZE:peek.body], view[peek.body:peek.end]
+    head = view[peek.offset:peek.offset + _CRC_SPAN]
+    if zlib.crc32(wire, zlib.crc32(route, zlib.crc32(head))) != peek.crc:
+        raise FrameError("frame checksum mismatch: corrupted in transit")
     payload: bytes | memoryview = wire
-    if flags & FLAG_LZ4:
+    if peek.compressed:
         try:
-            payload = lz4.block.decompress(wire, uncompressed_size=raw_len)
+            payload = lz4.block.decompress(wire, uncompressed_size=peek.raw_bytes)
         except lz4.block.LZ4BlockError as exc:
             raise FrameError(f"LZ4 payload does not decompress: {exc}") from None
-    if len(payload) != raw_len:
-        raise FrameError(f"payload holds {len(payload)} bytes, shape {shape} needs {raw_len}")
-    frame = Frame(Kind(kind), DType(code), request, epoch, step, start, count, candidates, shape,
-                  payload, tuple(route), bool(flags & FLAG_PREFILL), bool(flags & FLAG_LZ4),
-                  end - offset)
-    return frame, end
+        if len(payload) != peek.raw_bytes:
+            raise FrameError(f"LZ4 payload holds {len(payload)} bytes, shape {peek.shape} "
+                             f"needs {peek.raw_bytes}")
+    return Frame(peek.kind, peek.dtype, peek.request, peek.epoch, peek.step, peek.start,
+                 peek.count, peek.candidates, peek.shape, payload, peek.route,
+                 bool(peek.flags & FLAG_PREFILL), peek.compressed, peek.wire_bytes,
+                 bool(peek.flags & FLAG_RETRY) and peek.kind == Kind.ERROR,
+                 bool(peek.flags & FLAG_BUSY) and peek.kind == Kind.ERROR)

@@ -154,6 +154,9 @@ class Event(BaseModel):
     message: str
     request_id: str | None = None
     ts: float = Field(default_factory=time.time)
+    # 0: an event of its own. N > 0: a summary of N events the agent did not
+    # publish, past its rate limit (node_agent/reporter.py); its log has each.
+    held_back: int = 0
 
 
 def parse_request(payload: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> GenerateRequest:
@@ -171,6 +174,10 @@ def parse_request(payload: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> Gene
     except json.JSONDecodeError as exc:
         raise RequestError("invalid_json", f"request is not JSON: {exc.msg} at line "
                                            f"{exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise RequestError("invalid_json", "request nests arrays or objects deeper than the "
+                                           "JSON parser follows: send a flat request object"
+                           ) from None
     if not isinstance(data, dict):
         raise RequestError("invalid_request", "request must be a JSON object")
     try:
@@ -186,7 +193,7 @@ def salvage_id(payload: bytes) -> str | None:
         rid = data.get("id") if isinstance(data, dict) else None
         if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS:
             return check_level(rid, "id")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         pass
     return None
 

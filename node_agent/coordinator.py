@@ -17,17 +17,36 @@ heartbeat for liveness.timeout_s) or starts a new MQTT session (frames sent
 to it may be lost), the request is replayed: the tokens so far, prompt plus
 generated, go as a prefill down a healthy route under a new route epoch, and
 generation goes on from there. Sampling state lives here, so the output is
-the same as without the fault. Frames of the old epoch are ignored.
+the same as without the fault. Frames of the old epoch are ignored. A request
+is replayed the same way when a stage reports that it cannot go on with it as
+sent (an ERROR frame marked for replay: a frame lost, bad, or refused at the
+stage's bound), or when a step's result is much later than any step's of late
+(STALL_FACTOR): a decode step's frame that is lost leaves nothing behind it
+for a stage to notice.
+
+Restarts. A request is journaled on disk (node_agent/journal.py) before it is
+acknowledged to the broker and forgotten once its answer has been; a
+coordinator that starts answers what its journal holds, and the broker
+delivers again what was never acknowledged. On MQTT 5 the coordinators of a
+plant share the request subscription (`$share/...`), so several may run at
+once (`instance`); when one goes offline, another serves the requests the
+broker keeps in the dead one's session until it is back. docs/failover.md has
+the whole story, and the faults each part answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
+import os
 import secrets
 import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiomqtt
 import numpy as np
@@ -37,13 +56,12 @@ from paho.mqtt.properties import Properties
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from edgebus import frames
-from edgebus.client import BusClient
-from edgebus.errors import RequestError
+from edgebus.client import Ack, BusClient
+from edgebus.errors import BusError, EdgebusError, RequestError
 from edgebus.frames import Frame, Header, Kind
 from edgebus.messages import (
     AgentStatus,
     ErrorInfo,
-    Event,
     GenerateRequest,
     GenerateResponse,
     StreamDelta,
@@ -52,9 +70,12 @@ from edgebus.messages import (
     parse_request,
     salvage_id,
 )
+from edgebus.topics import check_level
 from node_agent.groups import Outbox
+from node_agent.journal import Entry, Journal, default_directory
 from node_agent.kv_cache import kv_bytes_per_token
-from node_agent.runtime import presence, publish_event, publish_plan, run_agent, serve_until
+from node_agent.reporter import Reporter
+from node_agent.runtime import presence, publish_plan, run_agent, serve_until
 from node_agent.sampling import candidates_wanted, sample_token
 from node_agent.text import TextStream, decode, prompt_ids
 from plant_config import Plant
@@ -65,6 +86,33 @@ log = logging.getLogger(__name__)
 # answer again instead of a second generation. A gateway redelivers within
 # seconds; 4096 covers minutes of a busy plant at a few KB each.
 DEDUP_WINDOW = 4096
+# Errors that ask the gateway to send the request again later: their answers
+# are not remembered, so the retry (same id) is served, not answered from memory.
+RETRY_LATER = frozenset({"busy", "unavailable", "timeout"})
+# Replays one request may take because a frame of it was lost or bad. Each has
+# a cause that a replay removes (a frame lost in transit); six in a row mean
+# one that it does not (a stage that cannot take the request).
+MAX_RECOVERIES = 6
+# Wait before the second and later of those replays, doubling each time
+# (0.5, 1, 2, 4, 8 s), and before every replay of a request a stage refused for
+# lack of room, up to RECOVERY_BACKOFF_MAX_S: an overloaded stage gets time to
+# drain. Refusals are retried until request_timeout_s has passed since the
+# first of them; then the request fails as busy.
+RECOVERY_BACKOFF_S = 0.5
+RECOVERY_BACKOFF_MAX_S = 8.0
+# A step whose result is this many times later than the slowest step of late
+# counts as lost, and its request is replayed. Batching, a prompt chunk riding
+# along and a busy broker make steps vary 2-3x; this leaves room for that.
+STALL_FACTOR = 4.0
+# ... but never before this: a loaded box or a broker hiccup holds a step up
+# for a second or so, and a replay then only adds load.
+STALL_MIN_S = 3.0
+# How fast the memory of a slow step fades, per completed step (~half in 70).
+PACE_DECAY = 0.99
+# Messages bigger than this, or holding LZ4, are decoded on a worker thread.
+DECODE_INLINE_BYTES = 64 * 1024
+# Environment variable naming this coordinator's instance when several run at once.
+INSTANCE_ENV = "EDGEBUS_INSTANCE"
 
 
 @dataclass
@@ -83,6 +131,14 @@ class _Lost(Exception):
     """The request's route lost a node: replay it down another."""
 
 
+class _Recover(Exception):
+    """A stage cannot go on with the request as sent (a frame lost, bad or refused): replay."""
+
+    def __init__(self, reason: str, *, busy: bool = False) -> None:
+        super().__init__(reason)
+        self.busy = busy  # refused for lack of room: replay once the stage has had time
+
+
 @dataclass
 class Generation:
     """One request in flight, and where its KV caches live."""
@@ -99,6 +155,9 @@ class Generation:
     synced: int = 0  # positions of `history` the route's caches hold
     lost: str | None = None  # why the route must be replaced, once the current step ends
     result: asyncio.Future[Frame] | None = None
+    recoveries: int = 0  # replays for frames lost or bad (MAX_RECOVERIES)
+    refusals: int = 0  # replays for frames refused by a full stage, since the last step
+    refused_since: float | None = None  # time.monotonic() of the first of those
 
     def header(self) -> Header:
         return Header(self.seq, self.epoch, self.step, self.route)
@@ -114,19 +173,71 @@ class NodeHealth:
     held: int = 0  # KV bytes reserved by requests routed through it
 
 
+class Pace:
+    """How long steps take here, so a lost step can be told from a slow one."""
+
+    def __init__(self) -> None:
+        self.decode_s: float | None = None  # slowest one-position step of late
+        self.position_s: float | None = None  # slowest per-position time of a prefill of late
+
+    def record(self, positions: int, elapsed: float) -> None:
+        if positions == 1:
+            self.decode_s = max(elapsed, (self.decode_s or 0.0) * PACE_DECAY)
+        else:
+            self.position_s = max(elapsed / positions, (self.position_s or 0.0) * PACE_DECAY)
+
+    def stall_after(self, positions: int) -> float | None:
+        """Seconds after which a step of `positions` counts as lost; None: no steps seen yet
+        to judge by (the request's timeout applies alone)."""
+        if positions == 1:
+            expected = self.decode_s
+        elif self.position_s is None:
+            return None
+        else:
+            expected = (self.decode_s or 0.0) + positions * self.position_s
+        return None if expected is None else max(STALL_MIN_S, STALL_FACTOR * expected)
+
+
+@dataclass
+class Peer:
+    """Another coordinator of this plant (MQTT 5 shared subscription), from its status."""
+
+    online: bool
+    bdseq: int
+    drain: asyncio.Task[None] | None = None  # serving its session while it is offline
+
+
 class Coordinator:
     """Serves gateway requests through the plant's stages."""
 
     def __init__(self, plant: Plant, tokenizer: PreTrainedTokenizerBase | None = None, *,
-                 batch_groups: int | None = None) -> None:
+                 batch_groups: int | None = None, instance: str | None = None,
+                 journal_dir: Path | None = None) -> None:
         self.plant = plant
         self.spec = plant.coordinator
         self.liveness = plant.liveness
         self.topics = plant.topics
         self.pipeline = plant.pipeline
+        self.agent_id = self.spec.id if not instance else check_level(
+            f"{self.spec.id}.{instance}", "coordinator instance")
+        self.mqtt5 = plant.endpoint_for(self.spec.id).protocol == "5"
+        if instance and not self.mqtt5:
+            raise EdgebusError(
+                f"coordinator instance {instance!r}: several coordinators share the requests "
+                "through an MQTT 5 shared subscription, and this plant's broker speaks MQTT "
+                "3.1.1 (the embedded amqtt broker does). Run one coordinator, or use Mosquitto "
+                'with broker.protocol: "5"')
+        # On MQTT 5 every coordinator of the plant takes requests from one shared
+        # subscription: the broker hands each request to one of them.
+        self.request_filter = (f"$share/{plant.plant_id}-{self.spec.id}/"
+                               f"{self.topics.request_filter}" if self.mqtt5
+                               else self.topics.request_filter)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(plant.model)
         self.eos_ids = _eos_ids(plant, self.tokenizer)
         config = AutoConfig.from_pretrained(plant.model)
+        self.limits = frames.coordinator_limits(vocab=config.vocab_size,
+                                                max_in_flight=self.spec.max_in_flight,
+                                                stages=len(self.pipeline))
         self.kv_per_token = [kv_bytes_per_token(config, s.layers) for s in self.pipeline]
         self.budget = {spec.node: spec.kv_budget_mb * 2**20 for spec in plant.stages}
         self.health = {spec.node: NodeHealth() for spec in plant.stages}
@@ -135,26 +246,48 @@ class Coordinator:
         self._active: dict[int, Generation] = {}
         self._answers: collections.OrderedDict[tuple[str, str], asyncio.Future[GenerateResponse]]
         self._answers = collections.OrderedDict()
+        # Every task this agent starts: at most max_in_flight requests being served,
+        # the broker's in-flight window of requests being admitted (they are
+        # acknowledged only once journaled or answered), and a few of its own.
         self._tasks: set[asyncio.Task[None]] = set()
         self._outbox = Outbox(batch_groups or len(self.pipeline), self._publish_frames,
-                              self._stepping)
-        self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0}
+                              self._stepping, max_frames=self.limits.max_frames)
+        self._pace = Pace()
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="coordinator-decode")
+        self.journal = Journal(journal_dir or default_directory(
+            plant.plant_id, plant.topic_root, self.agent_id))
+        self._resume = self.journal.open()  # what a previous run left unanswered
+        self._peers: dict[str, Peer] = {}
+        self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0,
+                         "recoveries": 0.0, "resumed": 0.0, "drained": 0.0}
         self.bus = BusClient(
-            plant.endpoint_for(self.spec.id), f"{plant.plant_id}.{self.spec.id}",
-            subscriptions=[(self.topics.request_filter, 1), (self.topics.status_filter, 1),
+            plant.endpoint_for(self.spec.id), f"{plant.plant_id}.{self.agent_id}",
+            subscriptions=[(self.request_filter, 1), (self.topics.status_filter, 1),
                            (self.topics.activations(self.spec.id), 1)],
-            presence=presence(self.topics, self.spec.id, "coordinator", metrics=lambda: {
-                **self.counters, "in_flight": float(len(self._active))}),
-            # Requests published while the coordinator is down wait in the broker.
-            persistent=True, on_connect=[self._on_connect])
+            presence=presence(self.topics, self.agent_id, "coordinator", metrics=lambda: {
+                **self.counters, "in_flight": float(len(self._active)),
+                "unsent": float(self.bus.unsent)}),
+            # Requests published while the coordinator is down wait in the broker,
+            # and one is acknowledged only once it is journaled (or answered).
+            persistent=True, manual_ack=True, on_connect=[self._on_connect])
+        self.reporter = Reporter(self.bus, self.topics, self.agent_id)
 
     async def serve(self, stop: asyncio.Event) -> None:
+        for entry in self._resume:  # first, so redeliveries of these find them in flight
+            self.counters["resumed"] += 1
+            self._spawn(self._serve_request(entry.client, entry.payload, entry.response_topic,
+                                            entry.correlation, ack=None, resumed=True))
+        self._resume = []
         try:
             await serve_until(stop, self.bus, self._on_message, self._watch_heartbeats(),
                               heartbeat_s=self.liveness.heartbeat_s)
         finally:
             for task in list(self._tasks):
                 task.cancel()
+            for peer in self._peers.values():
+                if peer.drain is not None:
+                    peer.drain.cancel()
+            self._decoder.shutdown(wait=False, cancel_futures=True)
 
     # -- dispatch (event loop, must not block) -----------------------------------
 
@@ -163,17 +296,57 @@ class Coordinator:
         payload = message.payload if isinstance(message.payload, bytes) else b""
         if topic == self.topics.activations(self.spec.id):
             self._on_result(payload)
-        elif (client := self.topics.client_of_request_topic(topic)) is not None:
-            self._spawn(self._serve_request(client, payload, message.properties))
+        elif self.topics.client_of_request_topic(topic) is not None:
+            self._on_request(message, self.bus)
         elif topic.startswith(self.topics.status_filter[:-1]):
             self._on_status(payload, retained=bool(message.retain))
 
+    def _on_request(self, message: aiomqtt.Message, bus: BusClient) -> None:
+        """Serve a request that came in on `bus` (ours, or a dead peer's session we drain)."""
+        client = self.topics.client_of_request_topic(message.topic.value)
+        if client is None:
+            return
+        payload = message.payload if isinstance(message.payload, bytes) else b""
+        properties = message.properties
+        ack = bus.defer_ack(message)
+        task = self._spawn(self._serve_request(
+            client, payload, getattr(properties, "ResponseTopic", None) if properties else None,
+            getattr(properties, "CorrelationData", None) if properties else None, ack=ack))
+        task.add_done_callback(functools.partial(_ack_on_failure, ack))
+
     def _on_result(self, payload: bytes) -> None:
         try:
-            results = frames.decode_all(payload)
+            peeks = frames.scan(payload, self.limits)
+        except frames.BadTail as exc:
+            self.reporter.report("error", f"dropped a result frame: {exc}")
+            peeks = exc.peeks
         except frames.BatchError as exc:
-            results = exc.good
-            self._spawn(self._event("error", f"dropped a result frame: {exc}"))
+            self.reporter.report("error", f"refused a result message: {exc}")
+            return
+        if not peeks:
+            return
+        if len(payload) < DECODE_INLINE_BYTES and not any(p.compressed for p in peeks):
+            try:
+                self._dispatch(frames.decode_scanned(payload, peeks))
+            except frames.BatchError as exc:
+                self.reporter.report("error", f"dropped a result frame: {exc}")
+                self._dispatch(exc.good)
+            return
+        decoding = asyncio.get_running_loop().run_in_executor(
+            self._decoder, frames.decode_scanned, payload, peeks)
+        decoding.add_done_callback(self._decoded)
+
+    def _decoded(self, decoding: asyncio.Future[list[Frame]]) -> None:
+        if decoding.cancelled():
+            return
+        error = decoding.exception()
+        if isinstance(error, frames.BatchError):
+            self.reporter.report("error", f"dropped a result frame: {error}")
+            self._dispatch(error.good)
+        elif error is None:
+            self._dispatch(decoding.result())
+
+    def _dispatch(self, results: list[Frame]) -> None:
         for frame in results:
             gen = self._active.get(frame.request)
             # Unknown or stale results (a request that ended, an old route, a
@@ -182,7 +355,13 @@ class Coordinator:
                     or gen.result is None or gen.result.done()):
                 continue
             if frame.kind == Kind.CANDIDATES:
+                if len(frame.shape) != 2 or frame.shape[0] != 1 or frame.shape[1] < 1:
+                    self.reporter.report("error", f"dropped a result of shape {frame.shape} "
+                                         f"for request {gen.request.id}: not [1, k]")
+                    continue
                 gen.result.set_result(frame)
+            elif frame.kind == Kind.ERROR and frame.retry:
+                gen.result.set_exception(_Recover(frame.text(), busy=frame.busy))
             elif frame.kind == Kind.ERROR:
                 gen.result.set_exception(RequestError("stage_error", frame.text()))
 
@@ -193,9 +372,12 @@ class Coordinator:
             status = AgentStatus.model_validate_json(payload)
         except ValueError:
             return
+        if status.role == "coordinator":
+            self._on_peer_status(status)
+            return
         node = self.health.get(status.agent_id)
         if node is None:
-            return  # the coordinator itself, or an agent of another plant file
+            return  # an agent of another plant file
         now = time.monotonic()
         # A retained status may be old: it is as fresh as its timestamp says.
         age = max(0.0, time.time() - status.ts) if retained else 0.0
@@ -229,8 +411,8 @@ class Coordinator:
         if node.alive == alive:
             return
         node.alive = alive
-        self._spawn(self._event("join" if alive else "leave",
-                                f"stage node {node_id} {'is online' if alive else why}"))
+        self.reporter.report("join" if alive else "leave",
+                             f"stage node {node_id} {'is online' if alive else why}")
         if not alive:
             self._fail_over(node_id, why)
         if all(any(self.health[n].alive for n in stage.node_ids) for stage in self.pipeline):
@@ -245,6 +427,53 @@ class Coordinator:
         for gen in self._active.values():
             if node_id in gen.nodes:
                 self._lose(gen, f"node {node_id} {why}")
+
+    # -- other coordinators (MQTT 5) ---------------------------------------------------
+
+    def _on_peer_status(self, status: AgentStatus) -> None:
+        """Track the plant's other coordinators; serve a dead one's session until it is back.
+
+        With a shared subscription the broker hands requests to every member's
+        session, a dead member's too (Mosquitto 2.0 does: measured), and there
+        they would wait for its restart. So when one goes offline (its Will, or
+        its clean exit) another takes its session over: it connects with that
+        coordinator's client id and serves what the broker holds there. The
+        coordinator coming back takes its session back (the broker ends ours).
+        """
+        peer_id = status.agent_id
+        if (not self.mqtt5 or peer_id == self.agent_id
+                or not (peer_id == self.spec.id or peer_id.startswith(f"{self.spec.id}."))):
+            return
+        peer = self._peers.setdefault(peer_id, Peer(online=False, bdseq=0))
+        if status.bdseq < peer.bdseq:
+            return  # the late Will of a session already replaced
+        peer.bdseq = status.bdseq
+        peer.online = status.state == "online"
+        if peer.online and peer.drain is not None:
+            peer.drain.cancel()
+            peer.drain = None
+        elif not peer.online and peer.drain is None:
+            peer.drain = asyncio.ensure_future(self._drain(peer_id, peer))
+
+    async def _drain(self, peer_id: str, peer: Peer) -> None:
+        """Serve the requests the broker holds in `peer_id`'s session while it is offline."""
+        while not peer.online:
+            self.reporter.report("warning", f"coordinator {peer_id} is offline: "
+                                 f"{self.agent_id} serves the requests the broker holds for it")
+            drain = BusClient(self.plant.endpoint_for(self.spec.id),
+                              f"{self.plant.plant_id}.{peer_id}",
+                              subscriptions=[(self.request_filter, 1)], persistent=True,
+                              manual_ack=True, reconnect=False)
+            await drain.run(functools.partial(self._on_drained, drain=drain))
+            # The connection ended: the peer took its session back (its status
+            # follows at once), or the broker went away. Look again after a while.
+            await asyncio.sleep(self.liveness.timeout_s)
+        peer.drain = None
+
+    def _on_drained(self, message: aiomqtt.Message, *, drain: BusClient) -> None:
+        if self.topics.client_of_request_topic(message.topic.value) is not None:
+            self.counters["drained"] += 1
+            self._on_request(message, drain)
 
     def _on_connect(self) -> None:
         # Every connect, not only the first: a restarted broker may have lost
@@ -261,54 +490,101 @@ class Coordinator:
         if gen.result is not None and not gen.result.done():
             gen.result.set_exception(_Lost(why))
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[call-overload]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- one request -----------------------------------------------------------
 
-    async def _serve_request(self, client: str, payload: bytes,
-                             properties: Properties | None) -> None:
+    async def _serve_request(self, client: str, payload: bytes, response_topic: str | None,
+                             correlation: bytes | None, *, ack: Ack | None,
+                             resumed: bool = False) -> None:
+        """Answer one request message. `ack` acknowledges it to the broker: called once it is
+        journaled, or answered when it is refused; `resumed`: it comes from the journal."""
         received = time.perf_counter()
-        correlation = getattr(properties, "CorrelationData", None) if properties else None
-        response_topic = getattr(properties, "ResponseTopic", None) if properties else None
+        done: Callable[[], None] = ack if ack is not None else _nothing
         try:
             request = parse_request(payload)
         except RequestError as exc:
             rid = salvage_id(payload)
-            await self._event("error", f"bad request from {client}: {exc.message}", rid)
+            self.reporter.report("error", f"bad request from {client}: {exc.message}", rid)
             if rid is not None:
                 reply, _ = self._reply_route(client, rid, response_topic, correlation)
                 self._respond(reply, _error_response(rid, exc))
+            done()
             return
         reply, refused = self._reply_route(client, request.id, request.reply_to or response_topic,
                                            correlation)
         if refused is not None:
-            await self._event("error", f"request {request.id} from {client}: {refused.message}",
-                              request.id)
+            self.reporter.report("error", f"request {request.id} from {client}: "
+                                 f"{refused.message}", request.id)
             self._respond(reply, _error_response(request.id, refused))
+            done()
             return
         key = (client, request.id)
         answer = self._answers.get(key)
-        if answer is not None:  # a redelivery: answer again, do not generate again
-            self._respond(reply, await asyncio.shield(answer))
+        if answer is not None:
+            # Sent again (QoS 1, a gateway's retry, or the broker's copy of a
+            # journaled request): one generation, one answer. Once answered,
+            # the same answer again, for a gateway that may have missed it.
+            done()
+            if answer.done():
+                self._respond(reply, answer.result())
             return
         answer = self._answers[key] = asyncio.get_running_loop().create_future()
         while len(self._answers) > DEDUP_WINDOW:
             self._answers.popitem(last=False)
+        entry = Entry(client, request.id, payload, response_topic, correlation)
+        journaled = False
+
+        async def admitted() -> None:
+            nonlocal journaled
+            journaled = await self._journal(request, entry, done, resumed=resumed)
+
+        if resumed:  # requests came in while the broker is still out of reach
+            await self.bus.wait_connected()
         try:
-            response = await self._generate(request, reply, received)
+            response = await self._generate(request, reply, received, admitted, resumed=resumed)
         except RequestError as exc:
-            await self._event("error", f"request {request.id} from {client}: {exc.message}",
-                              request.id)
+            self.reporter.report("error", f"request {request.id} from {client}: {exc.message}",
+                                 request.id)
             response = _error_response(request.id, exc)
         except Exception as exc:  # a bug must still answer the gateway, never leave it waiting
             log.exception("request %s from %s failed", request.id, client)
             response = _error_response(request.id, RequestError(
                 "internal", f"the coordinator failed: {type(exc).__name__}: {exc}"))
         answer.set_result(response)
-        self._respond(reply, response)
+        if response.error is not None and response.error.code in RETRY_LATER \
+                and self._answers.get(key) is answer:
+            del self._answers[key]
+        await self._deliver(reply, response)
+        done()
+        if journaled or resumed:
+            # Only now: killed before the answer was out, the next run answers it.
+            await asyncio.to_thread(self.journal.remove, client, request.id)
+
+    async def _journal(self, request: GenerateRequest, entry: Entry, ack: Callable[[], None], *,
+                       resumed: bool) -> bool:
+        """Journal an admitted request, then acknowledge it; return whether it was journaled.
+
+        A journal that cannot be written (a full or read-only disk) does not
+        stop the request: it is served, and an error says it would not survive
+        a restart.
+        """
+        if resumed:
+            return False
+        try:
+            await asyncio.to_thread(self.journal.add, entry)
+        except OSError as exc:
+            self.reporter.report("error", f"request {request.id} is served but not journaled "
+                                 f"({exc}): it would be lost if the coordinator died. Make "
+                                 f"{self.journal.directory} writable (EDGEBUS_HOME)", request.id)
+            return False
+        finally:
+            ack()
+        return True
 
     def _reply_route(self, client: str, request_id: str, asked: str | None,
                      correlation: bytes | None) -> tuple[ReplyRoute, RequestError | None]:
@@ -326,13 +602,19 @@ class Coordinator:
                 f"{mine}: leave reply_to and the MQTT 5 response topic unset")
         return ReplyRoute(asked or own, correlation), None
 
-    async def _generate(self, request: GenerateRequest, reply: ReplyRoute,
-                        received: float) -> GenerateResponse:
+    async def _generate(self, request: GenerateRequest, reply: ReplyRoute, received: float,
+                        admitted: Callable[[], Awaitable[None]], *,
+                        resumed: bool = False) -> GenerateResponse:
+        """Check the request against the plant's limits, `await admitted()`, then generate.
+
+        A resumed request (from the journal) was admitted before the restart:
+        the admission limit does not apply to it again.
+        """
         spec = self.spec
         if request.max_tokens > spec.max_tokens_limit:
             raise RequestError("max_tokens", f"max_tokens {request.max_tokens} exceeds this "
                                f"plant's limit of {spec.max_tokens_limit}")
-        if len(self._active) >= spec.max_in_flight:
+        if len(self._active) >= spec.max_in_flight and not resumed:
             raise RequestError("busy", f"{len(self._active)} requests in flight, the limit is "
                                f"{spec.max_in_flight}: retry later")
         ids = prompt_ids(self.tokenizer, request)
@@ -341,7 +623,7 @@ class Coordinator:
                                f"1..{spec.max_prompt_tokens}")
         gen = Generation(request, reply, history=list(ids), max_len=len(ids) + request.max_tokens)
         self._check_fits(gen)
-        self._active[gen.seq] = gen
+        self._active[gen.seq] = gen  # no await since the checks: the admission count holds
         rng = np.random.default_rng(request.seed if request.seed is not None
                                     else secrets.randbits(63))
         k = candidates_wanted(request.temperature, request.top_k, spec.candidates)
@@ -350,6 +632,7 @@ class Coordinator:
         ttft: float | None = None
         finish: str = "length"
         try:
+            await admitted()
             while True:
                 result = await self._step(gen, candidates=k)
                 cand_ids, cand_logits = result.candidates_arrays()
@@ -397,21 +680,59 @@ class Coordinator:
         in chunks of `prefill_chunk`: only the last chunk asks for candidates,
         and all leave at once so the stages work on them back to back.
         """
+        timeout = self.spec.request_timeout_s
         while True:
             if gen.lost is not None or not gen.route:
                 await self._route(gen)
             gen.result = asyncio.get_running_loop().create_future()
+            positions = len(gen.history) - gen.synced
             self._feed(gen, candidates)
+            sent = time.monotonic()
+            stall = self._pace.stall_after(positions)
+            # Each replay for a stall doubles the next wait: a pipeline that is
+            # merely slow, not losing frames, is soon waited for long enough.
+            wait = timeout if stall is None else min(timeout, stall * 2 ** gen.recoveries)
             try:
-                frame = await asyncio.wait_for(gen.result, self.spec.request_timeout_s)
+                frame = await asyncio.wait_for(gen.result, wait)
             except _Lost:
                 continue  # gen.lost is set: route again, replay
+            except _Recover as exc:
+                await self._recover(gen, str(exc), busy=exc.busy)
+                continue
             except TimeoutError:
-                raise RequestError("timeout", f"step {gen.step} got no result within "
-                                   f"{self.spec.request_timeout_s:.0f} s from nodes "
-                                   f"{', '.join(gen.nodes)}") from None
+                if wait >= timeout:
+                    raise RequestError("timeout", f"step {gen.step} got no result within "
+                                       f"{timeout:.0f} s from nodes "
+                                       f"{', '.join(gen.nodes)}") from None
+                await self._recover(gen, f"no result for step {gen.step} within {wait:.1f} s, "
+                                    f"{STALL_FACTOR:.0f}x the slowest step of late: taken as "
+                                    "lost in transit")
+                continue
+            self._pace.record(positions, time.monotonic() - sent)
             gen.synced = len(gen.history)
+            gen.refusals, gen.refused_since = 0, None
             return frame
+
+    async def _recover(self, gen: Generation, why: str, *, busy: bool = False) -> None:
+        """Replay `gen` after a backoff: MAX_RECOVERIES times at most for frames lost or bad,
+        and for frames a full stage refused until request_timeout_s has passed."""
+        self.counters["recoveries"] += 1
+        if busy:
+            now = time.monotonic()
+            gen.refused_since = gen.refused_since or now
+            if now - gen.refused_since > self.spec.request_timeout_s:
+                raise RequestError("busy", f"refused for {now - gen.refused_since:.0f} s: {why}. "
+                                   "The plant is overloaded: retry later")
+            gen.refusals += 1
+            delay = RECOVERY_BACKOFF_S * 2 ** (gen.refusals - 1)
+        else:
+            gen.recoveries += 1
+            if gen.recoveries > MAX_RECOVERIES:
+                raise RequestError("stage_error", f"gave up after {MAX_RECOVERIES} replays; "
+                                   f"the last because {why}")
+            delay = 0.0 if gen.recoveries == 1 else RECOVERY_BACKOFF_S * 2 ** (gen.recoveries - 2)
+        await asyncio.sleep(min(delay, RECOVERY_BACKOFF_MAX_S))
+        gen.lost = why
 
     def _feed(self, gen: Generation, candidates: int) -> None:
         header, first = gen.header(), self.pipeline[0].nodes[gen.route[0]].node
@@ -479,9 +800,9 @@ class Coordinator:
             self.health[node_id].held += per_token * gen.max_len
         if replay is not None:
             self.counters["failovers"] += 1
-            self._spawn(self._event("warning", f"replaying {len(gen.history)} positions of "
-                                    f"request {gen.request.id} on {', '.join(gen.nodes)} "
-                                    f"({replay})", gen.request.id))
+            self.reporter.report("warning", f"replaying {len(gen.history)} positions of "
+                                 f"request {gen.request.id} on {', '.join(gen.nodes)} "
+                                 f"({replay})", gen.request.id)
 
     def _unroute(self, gen: Generation) -> None:
         """Give back `gen`'s KV reservations and let its route's nodes free the caches."""
@@ -515,9 +836,30 @@ class Coordinator:
     def _respond(self, reply: ReplyRoute, response: GenerateResponse) -> None:
         self.bus.send(reply.topic, response.model_dump_json(), properties=_correlation(reply))
 
-    async def _event(self, kind: str, message: str, request_id: str | None = None) -> None:
-        await publish_event(self.bus, self.topics, Event(
-            kind=kind, agent_id=self.spec.id, message=message, request_id=request_id))  # type: ignore[arg-type]
+    async def _deliver(self, reply: ReplyRoute, response: GenerateResponse) -> None:
+        """Publish a final answer and wait for the broker's acknowledgement, across outages:
+        the request leaves the journal only after this."""
+        while True:
+            try:
+                await self.bus.publish(reply.topic, response.model_dump_json(),
+                                       properties=_correlation(reply))
+                return
+            except BusError as exc:
+                log.warning("answer to %s not delivered yet (%s); waiting for the broker",
+                            reply.topic, exc)
+                await self.bus.wait_connected()
+
+
+def _ack_on_failure(ack: Ack, task: asyncio.Task[None]) -> None:
+    """A bug that ends a request's task must not leave its message unacknowledged: each such
+    message would hold a slot of the broker's in-flight window (20 in Mosquitto) for good."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("serving a request failed", exc_info=error)
+        ack()
+
+
+def _nothing() -> None:
+    """The acknowledgement of a request that needs none (resumed from the journal)."""
 
 
 def prefill_chunks(positions: int, chunk: int) -> list[int]:
@@ -558,10 +900,16 @@ def _eos_ids(plant: Plant, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
 
 
-def run_coordinator(plant: Plant, batch_groups: int | None = None) -> None:
-    """`edgebus coordinator PLANT`: serve requests until SIGTERM."""
+def run_coordinator(plant: Plant, batch_groups: int | None = None,
+                    instance: str | None = None) -> None:
+    """`edgebus coordinator PLANT`: serve requests until SIGTERM.
+
+    `instance` (default: $EDGEBUS_INSTANCE) names this coordinator when several
+    serve one plant at once over MQTT 5; each needs a name of its own.
+    """
+    instance = instance or os.environ.get(INSTANCE_ENV) or None
 
     async def main(stop: asyncio.Event) -> None:
-        await Coordinator(plant, batch_groups=batch_groups).serve(stop)
+        await Coordinator(plant, batch_groups=batch_groups, instance=instance).serve(stop)
 
     run_agent(main)

@@ -20,6 +20,8 @@ computes one group, the other stages compute the others, and no box idles).
   requests, they settled into two alternating batches of ~2 rows.
 - Prompt chunks and releases belong to no group; they leave in a message of
   their own per node.
+- No message carries more than `max_frames` frames (the plant's frame limit,
+  edgebus/frames.py): more leave as several messages, in order.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ class Outbox:
     """Gathers frames per event-loop turn into one message per (node, group)."""
 
     def __init__(self, groups: int, publish: Callable[[str, bytes], None],
-                 stepping: Callable[[int], bool]) -> None:
+                 stepping: Callable[[int], bool], *, max_frames: int) -> None:
         """`publish(node, message)` sends; `stepping(seq)` tells whether request
-        `seq` has a decode step in flight (its result not back yet)."""
+        `seq` has a decode step in flight (its result not back yet); a message
+        carries at most `max_frames` frames."""
+        self.max_frames = max_frames
         self.members: list[set[int]] = [set() for _ in range(max(1, groups))]
         self._group: dict[int, int] = {}  # request seq -> its group
         self._joining: dict[int, tuple[str, bytes]] = {}  # seq -> (node, first decode frame)
@@ -98,5 +102,6 @@ class Outbox:
                 del self._joining[seq]
                 self._queued[(node, group)].append(frame)
         for (node, _), parts in self._queued.items():
-            self._publish(node, b"".join(parts))
+            for first in range(0, len(parts), self.max_frames):
+                self._publish(node, b"".join(parts[first:first + self.max_frames]))
         self._queued.clear()

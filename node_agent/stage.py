@@ -9,18 +9,31 @@ forward pass (`StageEngine.step`), and all their outputs leave as one
 message. Prompt chunks run one per turn between those batches, so a long
 prompt never holds up other requests' tokens for more than one chunk.
 
-Frames are decoded and checked in the event loop (cheap); forward passes run
-on one worker thread, so the loop keeps receiving and publishing while the CPU
-computes. A frame that is garbage, out of order, or names an unknown request
-is dropped with an event on `{root}/events`; it never takes the agent or
-another request's state down with it.
+A message's frame headers are read and checked in the event loop against
+the plant's frame limits (cheap, nothing allocated); checksums and LZ4 run on
+a decoder thread, forward passes on a worker thread, so the loop keeps
+receiving and publishing while the CPU computes. Frames waiting (in the inbox,
+or as prompt chunks) take at most `waiting_limit` bytes, what the node's KV
+budget can ever hold of prompts; a message past it is refused, not queued.
+
+A frame that cannot be used, for a request this node cannot go on with as
+sent, is reported to the coordinator at once with an ERROR frame marked for
+replay: one lost on the way (a gap in positions, or no prefill at all), one
+that is bad, or one refused at the bound. The coordinator replays the request
+as it does after a dead node. An event on `{root}/events` says what happened
+(rate-limited, node_agent/reporter.py). Nothing takes the agent or another
+request's state down with it, and nothing is dropped without a word.
 
 Failover: every frame names its route (which replica runs each stage) and
 route epoch. A replayed request arrives as a prefill with a newer epoch and
 replaces the old cache; frames of an older epoch, and QoS 1 duplicates, are
 dropped quietly, because after a failover they are expected. Each node holds
 at most `kv_budget_mb` of caches; caches idle past the coordinator's step
-timeout belong to abandoned requests and are evicted.
+timeout belong to abandoned requests and are evicted, and so, when a prefill
+needs room, are caches idle longer than a node takes to be declared dead
+(a restarted coordinator leaves its predecessor's caches behind): were one of
+them still wanted, its next frame would find no cache, and the coordinator
+would replay it.
 """
 
 from __future__ import annotations
@@ -29,9 +42,8 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
 
 import aiomqtt
 import torch
@@ -39,12 +51,12 @@ import torch
 from edgebus import frames
 from edgebus.client import BusClient
 from edgebus.errors import FrameError
-from edgebus.frames import Frame, Header, Kind
-from edgebus.messages import Event
+from edgebus.frames import Frame, Header, Kind, Peek
 from node_agent.engines import StageEngine, load_engine
 from node_agent.kv_cache import KVCache, kv_bytes_per_token
 from node_agent.memory import return_freed_memory
-from node_agent.runtime import presence, publish_event, run_agent, serve_until
+from node_agent.reporter import Reporter
+from node_agent.runtime import presence, run_agent, serve_until
 from node_agent.sampling import top_candidates
 from plant_config import Plant
 
@@ -53,10 +65,40 @@ log = logging.getLogger(__name__)
 _WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 # Most decode rows batched into one forward pass. Past ~32 a CPU stage stops
 # gaining (the step turns compute-bound) while each row waits longer.
-MAX_BATCH = 32
+MAX_BATCH = frames.MAX_BATCH_ROWS
 # How often the worker looks for abandoned caches: cheap, and an abandoned
 # cache costs memory, not correctness, so once in a while is enough.
 SWEEP_INTERVAL_S = 5.0
+# Bytes a waiting frame costs beyond its payload: the Frame, its views and
+# the tensor it becomes are Python objects of about this size. Counting it
+# bounds a flood of tiny frames as the payload bytes bound one of big frames.
+FRAME_OVERHEAD_BYTES = 1024
+# Messages this big, or holding LZ4, are checked and decompressed on the
+# decoder thread: a decode step's frame (a few KB) is checked faster in the
+# loop than a thread hop takes, a prefill chunk's (hundreds of KB) is not.
+DECODE_INLINE_BYTES = 64 * 1024
+# Headroom of `waiting_limit` over what the KV budget holds: a replayed or
+# ended request's frames may still wait while its successor, reserved against
+# the same budget, arrives.
+WAITING_HEADROOM = 2
+
+
+def waiting_limit(plant: Plant, node_id: str, hidden: int, kv_per_token: int,
+                  first: bool) -> int:
+    """Bytes of frames that may wait at `node_id`: more is refused.
+
+    The coordinator routes to a node only the positions its KV budget can
+    hold (each request reserves prompt plus max_tokens), and never more than
+    max_in_flight requests of at most max_prompt_tokens + max_tokens_limit
+    positions; a position travels as one token id into the first stage, as
+    `hidden` float32 values into the others.
+    """
+    spec, coordinator = plant.node(node_id), plant.coordinator
+    kv_positions = spec.kv_budget_mb * 2**20 // max(kv_per_token, 1)
+    legit = min(WAITING_HEADROOM * kv_positions, coordinator.max_in_flight
+                * (coordinator.max_prompt_tokens + coordinator.max_tokens_limit))
+    per_position = 4 if first else hidden * 4
+    return legit * (per_position + FRAME_OVERHEAD_BYTES)
 
 
 class _Skip(FrameError):
@@ -65,6 +107,25 @@ class _Skip(FrameError):
 
 class _Refused(FrameError):
     """A request this node gives up on; the coordinator is told, so it fails fast."""
+
+
+class _Lost(FrameError):
+    """A frame before this one never arrived: the coordinator must replay the request."""
+
+
+@dataclass
+class _Message:
+    """One message in the inbox: its frames' headers, and the frames once decoded."""
+
+    peeks: list[Peek]
+    frames: list[Frame] | asyncio.Future[list[Frame]]
+    topic: str
+
+
+def _cost(frame: Frame | Peek) -> int:
+    """Bytes a frame holds while it waits: its wire bytes, its decompressed copy, overhead."""
+    raw = frame.raw_bytes if isinstance(frame, Peek) else len(frame.payload)
+    return frame.wire_bytes + (raw if frame.compressed else 0) + FRAME_OVERHEAD_BYTES
 
 
 class StageAgent:
@@ -91,23 +152,39 @@ class StageAgent:
         # The coordinator gives up on a step after this long: a cache idle for
         # longer belongs to a request nobody will finish or release.
         self.abandon_after_s = plant.coordinator.request_timeout_s
+        # A cache idle this long when room is needed belongs to a request that is not
+        # moving: its route lost a node, or its coordinator died (see the docstring).
+        self.idle_evict_s = plant.liveness.timeout_s
         self.caches: dict[int, KVCache] = {}  # touched only by the worker thread
-        self.inbox: asyncio.Queue[list[Frame]] = asyncio.Queue()  # one entry per message
-        self._prompts: collections.deque[Frame] = collections.deque()  # prefill chunks waiting
+        config = self.model.config
+        self.limits = frames.stage_limits(
+            prefill_chunk=plant.coordinator.prefill_chunk, hidden=config.hidden_size,
+            max_in_flight=plant.coordinator.max_in_flight, stages=len(self.pipeline))
+        self.waiting_limit = waiting_limit(plant, node_id, config.hidden_size, self.kv_per_token,
+                                           self.model.slice.has_embedding)
+        self.waiting = 0  # bytes of the frames in the inbox and in _prompts (see _cost)
+        # Messages in arrival order; bounded by `waiting_limit` (see _on_message).
+        self.inbox: asyncio.Queue[_Message] = asyncio.Queue()
+        # Prompt chunks waiting for a pass; bounded by `waiting_limit` with the inbox.
+        self._prompts: collections.deque[Frame] = collections.deque()
         self._swept = time.monotonic()
         self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "mixed_steps": 0.0,
-                        "skipped_frames": 0.0, "evicted": 0.0}
+                        "skipped_frames": 0.0, "evicted": 0.0, "refused_frames": 0.0,
+                        "lost_frames": 0.0, "bad_frames": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(node_id), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
             presence=presence(topics, node_id, "stage", stage=self.index, layers=spec.layers,
                               metrics=self._metrics, engine=self.model.describe()))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{node_id}")
-        self._background: set[asyncio.Task[None]] = set()
+        # Checksums and LZ4 of big messages, in arrival order, beside the forward pass.
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix=f"decode-{node_id}")
+        self.reporter = Reporter(self.bus, topics, node_id)
 
     def _metrics(self) -> dict[str, float]:
         caches = list(self.caches.values())  # a snapshot: the worker thread changes the dict
         return {**self.metrics, "queue": float(self.inbox.qsize() + len(self._prompts)),
+                "waiting_bytes": float(self.waiting), "unsent": float(self.bus.unsent),
                 "requests": float(len(caches)), "kv_bytes": float(sum(c.nbytes for c in caches))}
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -116,16 +193,80 @@ class StageAgent:
                               heartbeat_s=self.plant.liveness.heartbeat_s)
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._decoder.shutdown(wait=False, cancel_futures=True)
+
+    # -- receiving (event loop) ------------------------------------------------
 
     def _on_message(self, message: aiomqtt.Message) -> None:
+        """Check a message's headers, then queue it, or refuse it whole at the bound."""
         payload = message.payload if isinstance(message.payload, bytes) else b""
+        topic = message.topic.value
         try:
-            batch = frames.decode_all(payload)
+            peeks = frames.scan(payload, self.limits)
+        except frames.BadTail as exc:  # frames before the bad one may still be good
+            self._tell_coordinator(exc.suspects, f"a frame was unreadable: {exc}")
+            self._dropped(f"dropped an unreadable frame on {topic}: {exc}", len(exc.suspects))
+            peeks = exc.peeks
+        except frames.BatchError as exc:  # past a limit: none of it is taken
+            self._tell_coordinator(exc.suspects, f"a message was refused: {exc}")
+            self._dropped(f"refused a message on {topic}: {exc}", max(1, len(exc.suspects)))
+            return
+        if not peeks:
+            return
+        need = sum(_cost(p) for p in peeks)
+        if self.waiting + need > self.waiting_limit:
+            self.metrics["refused_frames"] += len(peeks)
+            reason = (f"node {self.node_id} has {self.waiting} bytes of frames waiting, "
+                      f"{need} more would pass its bound of {self.waiting_limit}")
+            self._tell_coordinator([p.header() for p in peeks], f"refused: {reason}", busy=True)
+            self.reporter.report("warning", f"refused {len(peeks)} frame(s) on {topic}: "
+                                 f"{reason}; the coordinator replays their requests")
+            return
+        self.waiting += need
+        if len(payload) < DECODE_INLINE_BYTES and not any(p.compressed for p in peeks):
+            try:
+                decoded: list[Frame] | asyncio.Future[list[Frame]] = frames.decode_scanned(
+                    payload, peeks)
+            except frames.BatchError as exc:
+                decoded = self._bad(exc, peeks, topic)
+        else:
+            decoded = asyncio.get_running_loop().run_in_executor(
+                self._decoder, frames.decode_scanned, payload, peeks)
+        self.inbox.put_nowait(_Message(peeks, decoded, topic))
+
+    async def _open(self, message: _Message) -> list[Frame]:
+        """A message's frames, once decoded; the bad ones reported and let go."""
+        if isinstance(message.frames, list):
+            return message.frames
+        try:
+            return await message.frames
         except frames.BatchError as exc:
-            batch = exc.good
-            self._report(f"dropped a frame on {message.topic}: {exc}")
-        if batch:
-            self.inbox.put_nowait(batch)
+            return self._bad(exc, message.peeks, message.topic)
+
+    def _bad(self, exc: frames.BatchError, peeks: list[Peek], topic: str) -> list[Frame]:
+        """The frames of a message before its bad one; the rest reported and released."""
+        self.waiting -= sum(_cost(p) for p in peeks[len(exc.good):])
+        self._tell_coordinator(exc.suspects, f"a frame was bad: {exc}")
+        self._dropped(f"dropped a frame on {topic}: {exc}", len(peeks) - len(exc.good))
+        return exc.good
+
+    def _done(self, batch: list[Frame]) -> None:
+        """These frames no longer wait: give their bytes back to the bound."""
+        self.waiting -= sum(_cost(f) for f in batch)
+
+    def _tell_coordinator(self, headers: list[Header], reason: str, *,
+                          busy: bool = False) -> None:
+        """ERROR frames marked for replay: the requests cannot go on as sent (`busy`: not
+        until this node has room again)."""
+        if headers:
+            self.bus.send(self.coordinator_topic, b"".join(
+                frames.encode_error(h, f"stage node {self.node_id}: {reason}", retry=True,
+                                    busy=busy)
+                for h in headers[:self.limits.max_frames]))
+
+    def _dropped(self, message: str, count: int) -> None:
+        self.metrics["bad_frames"] += count
+        self.reporter.report("error", message)
 
     # -- scheduling (event loop) -----------------------------------------------
 
@@ -145,14 +286,14 @@ class StageAgent:
         while True:
             # With prompt chunks pending there is work now; else sleep until a message comes.
             if not self._prompts:
-                message = await self.inbox.get()
+                message = await self._open(await self.inbox.get())
             else:
-                message = [] if self.inbox.empty() else self.inbox.get_nowait()
+                message = [] if self.inbox.empty() else await self._open(self.inbox.get_nowait())
             decodes = await self._sort(loop, message)
             # A message of prompt chunks only (a new request): the next group's rows, if
             # already here, share their pass.
             while not decodes and self._prompts and not self.inbox.empty():
-                decodes = await self._sort(loop, self.inbox.get_nowait())
+                decodes = await self._sort(loop, await self._open(self.inbox.get_nowait()))
             batches = [decodes[first:first + MAX_BATCH]
                        for first in range(0, len(decodes), MAX_BATCH)] or [[]]
             if self._prompts:  # one prompt chunk rides along: the weights are read once for both
@@ -167,6 +308,7 @@ class StageAgent:
         for frame in message:
             if frame.kind == Kind.RELEASE:
                 await loop.run_in_executor(self._executor, self._release, frame)
+                self._done([frame])
             elif frame.prefill:
                 self._prompts.append(frame)
             else:
@@ -174,9 +316,12 @@ class StageAgent:
         return decodes
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[Frame]) -> None:
-        out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
+        try:
+            out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
+        finally:
+            self._done(batch)
         for error in errors:
-            self._report(error)
+            self.reporter.report("error", error)
         # The next batch need not wait for this one's PUBACK (see BusClient.send).
         for topic, message in out.items():
             self.bus.send(topic, message)
@@ -193,8 +338,9 @@ class StageAgent:
             try:
                 if any(frame.request == row[0].request for row in rows):
                     raise _Skip("second frame for this request in one batch: duplicate")
-                rows.append((frame, self._check_input(frame), self._cache_for(frame),
-                             self._next_topic(frame)))
+                # The route first: a frame that is not this node's must not make a cache.
+                topic = self._next_topic(frame)
+                rows.append((frame, self._check_input(frame), self._cache_for(frame), topic))
             except _Skip as exc:
                 self.metrics["skipped_frames"] += 1
                 log.debug("skipped frame of request %x: %s", frame.request, exc)
@@ -202,8 +348,12 @@ class StageAgent:
                 out[self.coordinator_topic].append(frames.encode_error(Header.of(frame), str(exc)))
                 errors.append(f"refused request {frame.request:x}: {exc}")
             except FrameError as exc:
+                # Lost on the way or bad: a replay of the request recovers either.
+                self.metrics["lost_frames" if isinstance(exc, _Lost) else "bad_frames"] += 1
+                out[self.coordinator_topic].append(frames.encode_error(
+                    Header.of(frame), f"stage node {self.node_id}: {exc}", retry=True))
                 errors.append(f"dropped frame of request {frame.request:x} step {frame.step}: "
-                              f"{exc}")
+                              f"{exc}; the coordinator replays it")
         if rows:
             self._compute(rows, out, errors)
         return {topic: b"".join(parts) for topic, parts in out.items() if any(parts)}, errors
@@ -247,21 +397,32 @@ class StageAgent:
             cache = self.caches[frame.request] = KVCache(frame.epoch)
             return cache
         if cache is None or cache.epoch != frame.epoch:
-            raise FrameError("unknown request (never prefilled here, or already released)")
+            raise _Lost("unknown request (its prefill never arrived here, or it was released "
+                        "or evicted)")
         held = cache.get_seq_length()
         if frame.start < held:
             raise _Skip(f"position {frame.start} already computed: duplicate")
         if frame.start > held:
-            raise FrameError(f"frame starts at position {frame.start} but the cache holds "
-                             f"{held}: a frame before it was lost")
+            raise _Lost(f"frame starts at position {frame.start} but the cache holds "
+                        f"{held}: a frame before it was lost")
         if frame.prefill:
             self._make_room(frame)
         return cache
 
     def _make_room(self, frame: Frame) -> None:
-        """Refuse a prefill chunk that would take the caches past this node's budget."""
+        """Evict idle caches, or refuse a prefill chunk that would take the caches past this
+        node's budget."""
         need = frame.count * self.kv_per_token
         held = sum(c.nbytes for c in self.caches.values())
+        if held + need > self.kv_budget:
+            now = time.monotonic()
+            idle = sorted((c.touched, rid) for rid, c in self.caches.items()
+                          if rid != frame.request and now - c.touched > self.idle_evict_s)
+            for _, rid in idle:
+                held -= self.caches.pop(rid).nbytes
+                self.metrics["evicted"] += 1
+                if held + need <= self.kv_budget:
+                    break
         if held + need > self.kv_budget:
             self.caches.pop(frame.request, None)
             raise _Refused(f"KV budget of node {self.node_id} is full ({held / 2**20:.1f} of "
@@ -320,6 +481,10 @@ class StageAgent:
         if frame.count < 1 or (not frame.prefill and frame.count != 1):
             raise FrameError(f"{'prefill' if frame.prefill else 'decode'} frame carries "
                              f"{frame.count} positions")
+        if frame.count > self.plant.coordinator.prefill_chunk:
+            raise FrameError(f"frame carries {frame.count} positions, more than the plant's "
+                             f"prefill_chunk of {self.plant.coordinator.prefill_chunk}: run the "
+                             "same plant file on every box")
         if frame.candidates > self.model.config.vocab_size or (
                 not frame.prefill and frame.candidates == 0):
             raise FrameError(f"asks for {frame.candidates} candidates")
@@ -337,15 +502,6 @@ class StageAgent:
         if not torch.isfinite(x).all():
             raise FrameError("hidden states hold NaN or Inf")
         return x
-
-    def _report(self, message: str) -> None:
-        self._spawn(publish_event(
-            self.bus, self.topics, Event(kind="error", agent_id=self.node_id, message=message)))
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
 
 def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import tracemalloc
 import zlib
 
 import pytest
@@ -152,3 +153,93 @@ def test_mutated_frames_raise_only_frame_error(edits: list[tuple[int, int]],
             frame.tensor()
     except FrameError:
         pass
+
+
+# -- limits: nothing is allocated for a frame past them ----------------------------
+
+# SmolLM2's width: a plant whose largest legal frame is 128 x 576 float32.
+LIMITS = frames.stage_limits(prefill_chunk=128, hidden=576, max_in_flight=64, stages=2)
+
+
+def lz4_bomb(frames_in_message: int = 8, shape: tuple[int, int, int] = (1, 32768, 1024),
+             ) -> bytes:
+    """The issue's bomb: frames of zeros that LZ4 squeezes ~255:1, each claiming 128 MiB."""
+    zeros = torch.zeros(shape)
+    return b"".join(frames.encode(Kind.HIDDEN, zeros, Header(0xB0B0 + i, 1, 0, (0, 0)),
+                                  start=0, prefill=True) for i in range(frames_in_message))
+
+
+def test_the_lz4_bomb_is_refused_from_its_headers_before_anything_is_decompressed() -> None:
+    bomb = lz4_bomb()
+    assert len(bomb) < 5 * 2**20  # 4 MiB on the wire for 1 GiB decompressed
+    tracemalloc.start()
+    try:
+        with pytest.raises(frames.BatchError, match="exceeds the largest legal frame") as caught:
+            frames.decode_all(bomb, LIMITS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, f"{peak} bytes allocated for a message refused from its headers"
+    assert caught.value.good == []
+    assert [h.request for h in caught.value.suspects] == [0xB0B0]  # whom to tell
+
+
+def test_a_frame_of_the_largest_legal_size_passes_and_one_position_more_does_not() -> None:
+    legal = torch.randn(1, 128, 576)
+    assert frames.decode_all(frames.encode(Kind.HIDDEN, legal, Header(1, 0, 0), start=0),
+                             LIMITS)[0].shape == (1, 128, 576)
+    with pytest.raises(frames.BatchError, match="exceeds the largest legal frame"):
+        frames.decode_all(frames.encode(Kind.HIDDEN, torch.randn(1, 129, 576), Header(1, 0, 0),
+                                        start=0), LIMITS)
+
+
+def test_a_message_of_more_frames_than_a_legal_one_is_refused_whole() -> None:
+    one = frames.encode(Kind.TOKENS, torch.tensor([[7]]), Header(3, 0, 1), start=4)
+    assert len(frames.decode_all(one * LIMITS.max_frames, LIMITS)) == LIMITS.max_frames
+    with pytest.raises(frames.BatchError, match=f"more than {LIMITS.max_frames} frames") as caught:
+        frames.decode_all(one * (LIMITS.max_frames + 1), LIMITS)
+    assert caught.value.good == [] and len(caught.value.suspects) == LIMITS.max_frames
+
+
+def test_a_message_larger_than_the_largest_legal_one_is_refused_unread() -> None:
+    with pytest.raises(frames.BatchError, match="larger than the largest legal one"):
+        frames.scan(bytes(LIMITS.max_message + 1), LIMITS)
+
+
+def test_scan_reads_headers_only_and_names_the_frames_before_a_bad_one() -> None:
+    good = frames.encode(Kind.TOKENS, torch.tensor([[1, 2]]), Header(5, 2, 0, (0, 1)), start=0,
+                         prefill=True)
+    with pytest.raises(frames.BadTail, match="bad magic") as caught:
+        frames.scan(good + b"XXXX" + bytes(60), LIMITS)
+    assert [(p.request, p.epoch, p.route, p.count) for p in caught.value.peeks] == [
+        (5, 2, (0, 1), 2)]
+    # A corrupt payload after good frames: those before it are kept, it and the rest named.
+    bad = bytearray(good)
+    bad[-1] ^= 0xFF
+    with pytest.raises(frames.BatchError, match="checksum") as batch:
+        frames.decode_all(good + bytes(bad) + good, LIMITS)
+    assert len(batch.value.good) == 1 and len(batch.value.suspects) == 2
+
+
+def test_error_frames_say_whether_a_replay_recovers_the_request() -> None:
+    header = Header(9, 1, 3, (1, 0))
+    plain = frames.decode(frames.encode_error(header, "KV budget full"))
+    lost = frames.decode(frames.encode_error(header, "a frame was lost", retry=True))
+    busy = frames.decode(frames.encode_error(header, "inbox full", busy=True))
+    assert [(f.retry, f.busy) for f in (plain, lost, busy)] == [
+        (False, False), (True, False), (True, True)]
+    # Only ERROR frames carry the meaning: the bits are ignored on any other kind.
+    assert not frames.decode(frames.encode_release(header)).retry
+
+
+def test_an_error_reason_is_cut_to_its_limit_at_a_character_boundary() -> None:
+    frame = frames.decode(frames.encode_error(Header(1, 0, 0), "é" * frames.MAX_ERROR_BYTES))
+    assert len(frame.payload) <= frames.MAX_ERROR_BYTES
+    assert frame.text() == "é" * (frames.MAX_ERROR_BYTES // 2)
+
+
+def test_coordinator_limits_fit_a_whole_vocabulary_of_candidates() -> None:
+    limits = frames.coordinator_limits(vocab=49152, max_in_flight=64, stages=2)
+    ids = torch.arange(49152).reshape(1, -1)
+    data = frames.encode_candidates(ids, torch.zeros(1, 49152), Header(1, 0, 0), start=3)
+    assert frames.decode_all(data, limits)[0].candidates_arrays()[0].shape == (1, 49152)

@@ -13,7 +13,7 @@ class _Plant:
     def __init__(self, groups: int) -> None:
         self.sent: list[tuple[str, list[bytes]]] = []
         self.stepping: set[int] = set()
-        self.outbox = Outbox(groups, self._publish, self.stepping.__contains__)
+        self.outbox = Outbox(groups, self._publish, self.stepping.__contains__, max_frames=64)
 
     def _publish(self, node: str, message: bytes) -> None:
         # Frames here are 2-byte tags, so a message splits back into its frames.

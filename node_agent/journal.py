@@ -1,0 +1,131 @@
+"""The coordinator's journal of requests in flight: on disk, so they outlive the process.
+
+A request is written here (and fsynced) before the coordinator acknowledges
+it to the broker, and removed once its response has been acknowledged by the
+broker. A coordinator that starts reads its journal and answers every request
+in it: after `kill -9`, a power cut or an out-of-memory kill, no request that
+was acknowledged is forgotten. docs/failover.md says why a journal on disk and
+not an acknowledgement held back until the answer.
+
+One file per request, named by a hash of (client, id) so no id can name a path:
+written to a temporary name, fsynced and renamed, then the directory fsynced,
+so a crash leaves either the whole entry or none. The journal holds at most
+the requests admitted (`max_in_flight`), each at most a request's size limit.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = ".json"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One request as it arrived: enough to serve it again from the start."""
+
+    client: str
+    request_id: str
+    payload: bytes  # the request message, as the gateway sent it
+    response_topic: str | None = None  # MQTT 5 response topic
+    correlation: bytes | None = None  # MQTT 5 correlation data
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "client": self.client, "id": self.request_id,
+            "payload": base64.b64encode(self.payload).decode(),
+            "response_topic": self.response_topic,
+            "correlation": (None if self.correlation is None
+                            else base64.b64encode(self.correlation).decode())})
+
+    @classmethod
+    def from_json(cls, text: str) -> Entry:
+        data = json.loads(text)
+        correlation = data.get("correlation")
+        return cls(str(data["client"]), str(data["id"]), base64.b64decode(data["payload"]),
+                   data.get("response_topic"),
+                   None if correlation is None else base64.b64decode(correlation))
+
+
+def key_name(client: str, request_id: str) -> str:
+    """The file name of (client, id): a hash, so ids like '..' name no path."""
+    digest = hashlib.sha256(f"{client}\0{request_id}".encode()).hexdigest()[:40]
+    return digest + _SUFFIX
+
+
+class Journal:
+    """Requests in flight, one fsynced file each, under `directory`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def open(self) -> list[Entry]:
+        """Create the directory if need be; return the entries a previous run left.
+
+        An entry that cannot be read (a disk that lost a block) is renamed to
+        `*.bad`, logged and skipped: it must not stop the coordinator.
+        """
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        entries = []
+        for path in sorted(self.directory.glob(f"*{_SUFFIX}")):
+            try:
+                entries.append(Entry.from_json(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("journal entry %s is unreadable (%s); moved to %s.bad", path, exc,
+                          path.name)
+                path.replace(path.with_suffix(".bad"))
+        for stale in self.directory.glob(".*.tmp"):  # a write that a crash cut short
+            stale.unlink(missing_ok=True)
+        return entries
+
+    def add(self, entry: Entry) -> None:
+        """Write `entry` durably (blocking: call it from a worker thread)."""
+        final = self.directory / key_name(entry.client, entry.request_id)
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(entry.to_json())
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self._sync_directory()
+
+    def remove(self, client: str, request_id: str) -> None:
+        """Forget a request that has been answered (blocking: call it from a worker thread)."""
+        (self.directory / key_name(client, request_id)).unlink(missing_ok=True)
+        self._sync_directory()
+
+    def _sync_directory(self) -> None:
+        # A rename or unlink is durable only once the directory is: without
+        # this a power cut could bring an answered request back, or lose a new one.
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def default_directory(plant_id: str, topic_root: str, agent_id: str) -> Path:
+    """$EDGEBUS_HOME/journal/<plant>-<root hash>/<agent>: systemd's StateDirectory in the unit.
+
+    The topic root is in the name so two plants (or test runs) that share a
+    plant id never resume each other's requests.
+    """
+    home = os.environ.get("EDGEBUS_HOME")
+    if not home:
+        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        home = str(Path(cache) / "edgebus")
+    root = hashlib.sha256(topic_root.encode()).hexdigest()[:8]
+    return Path(home) / "journal" / f"{plant_id}-{root}" / agent_id

@@ -1,0 +1,172 @@
+"""Nothing unbounded: an LZ4 bomb and a flood of frames against a running plant.
+
+The stages run as OS processes over a real Mosquitto, so a stage's resident
+memory is its own: the kernel's high-water mark (VmHWM, reset through
+/proc/PID/clear_refs) says the most it ever held. Valid requests run at the
+same time and must stay token-exact; every frame the stage cannot take is
+accounted for by an ERROR frame to the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiomqtt
+import pytest
+import torch
+from brokers import MosquittoBroker
+from plant_gateway import AgentProcesses, Gateway, assert_exact, gateway, requests, send
+from test_frames import lz4_bomb
+from transformers import AutoConfig
+
+from edgebus import frames
+from edgebus.client import BusClient
+from edgebus.frames import Header, Kind
+from node_agent.kv_cache import kv_bytes_per_token
+from node_agent.stage import waiting_limit
+from plant_config import Plant, make_plant, write_plant
+
+pytestmark = pytest.mark.slow
+
+# A small KV budget, so the bounds it implies are small and a bomb or flood
+# past them shows plainly in the stage's memory.
+KV_BUDGET_MB = 16
+# What a stage's forward passes and the allocator's slack may add beyond its
+# KV budget and its waiting bound, measured 20-40 MiB for these requests.
+COMPUTE_SLACK = 96 * 2**20
+TOKENS = 12
+WAIT_S = 600.0
+# Frames per flood message, and messages: far past any bound of the stage.
+FLOOD_FRAMES = 64
+FLOOD_MESSAGES = 1500
+# QoS 1 publishes in flight at once: past Mosquitto's queue per client (1000)
+# the broker itself would drop messages, and those could not be accounted for.
+FLOOD_WINDOW = 100
+FLOOD_ID = 0x7E00_0000_0000_0000
+# What a message to the coordinator may carry (SmolLM2's vocabulary).
+RESULT_LIMITS = frames.coordinator_limits(vocab=49152, max_in_flight=64, stages=2)
+
+
+def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path) -> tuple[Path, Plant]:
+    plant = make_plant(model, stages=2, broker=broker.url, plant_id="bounds")
+    plant = plant.model_copy(update={"stages": [
+        s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB}) for s in plant.stages]})
+    path = workdir / "plant.yaml"
+    write_plant(plant, path)
+    return path, plant
+
+
+@asynccontextmanager
+async def plant_running(model: Path, broker: MosquittoBroker, workdir: Path
+                        ) -> AsyncIterator[tuple[Plant, AgentProcesses, Gateway, BusClient]]:
+    path, plant = write_plant_file(model, broker, workdir)
+    with AgentProcesses(path, workdir) as agents:
+        for stage in plant.stages:
+            agents.start_stage(stage.node)
+        agents.start_coordinator()
+        async with gateway(plant) as (gw, bus):
+            await gw.until_online([*(s.node for s in plant.stages), plant.coordinator.id])
+            yield plant, agents, gw, bus
+
+
+def budget(plant: Plant, node: str) -> int:
+    """The most a stage may add to its resting memory: KV budget, waiting bound, compute."""
+    spec = plant.node(node)
+    config = AutoConfig.from_pretrained(plant.model)
+    first = plant.stage_index(node) == 0
+    waiting = waiting_limit(plant, node, config.hidden_size,
+                            kv_bytes_per_token(config, spec.layers), first)
+    return spec.kv_budget_mb * 2**20 + waiting + COMPUTE_SLACK
+
+
+def reset_peak(pid: int) -> int:
+    """Reset the process's peak resident memory to its current one; return that."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _status_kib(pid, "VmRSS") * 1024
+
+
+def peak(pid: int) -> int:
+    return _status_kib(pid, "VmHWM") * 1024
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+async def test_an_lz4_bomb_costs_a_stage_nothing_and_valid_requests_stay_exact(
+        smollm2_dir: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
+    bomb = lz4_bomb()  # 8 frames, 4 MiB on the wire, 1 GiB once decompressed
+    async with plant_running(smollm2_dir, mosquitto_broker, tmp_path) as (plant, agents, gw, bus):
+        warm = requests(TOKENS, prefix="warm", count=2)
+        await send(bus, plant, warm)  # the stage's heap grows to its working size first
+        await gw.until(lambda: all(r.id in gw.responses for r in warm), WAIT_S)
+        target = plant.pipeline[1].node_ids[0]
+        resting = reset_peak(agents.pid(target))
+        batch = requests(TOKENS, prefix="valid", count=4)
+        await send(bus, plant, batch)
+        await bus.publish(plant.topics.activations(target), bomb, qos=1)
+        await gw.until(lambda: all(r.id in gw.responses for r in batch)
+                       and bool(gw.messages("exceeds the largest legal frame")), WAIT_S)
+        grown = peak(agents.pid(target)) - resting
+    print(f"{target}: resting {resting / 2**20:.0f} MiB, peak +{grown / 2**20:.0f} MiB under "
+          f"the bomb, budget +{budget(plant, target) / 2**20:.0f} MiB")
+    assert grown <= budget(plant, target)
+    refusals = gw.messages("exceeds the largest legal frame")
+    assert all(target in m or "stage-1" in m for m in refusals), refusals
+    assert_exact(smollm2_dir, gw, warm + batch)
+
+
+def flood_message(first: int) -> bytes:
+    """FLOOD_FRAMES well-formed decode frames for requests stage-0 never saw."""
+    return b"".join(frames.encode(Kind.TOKENS, torch.tensor([[11]]),
+                                  Header(FLOOD_ID + first + i, 1, 1, (0, 0)), start=5)
+                    for i in range(FLOOD_FRAMES))
+
+
+async def test_a_flood_of_frames_is_refused_at_the_bound_and_every_frame_accounted_for(
+        smollm2_dir: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
+    flooded: dict[int, int] = {}  # request id -> ERROR frames the coordinator was sent
+    async with plant_running(smollm2_dir, mosquitto_broker, tmp_path) as (plant, agents, gw, bus):
+        target = plant.pipeline[0].node_ids[0]
+        resting = reset_peak(agents.pid(target))
+        root = plant.topic_root
+        async with aiomqtt.Client(mosquitto_broker.host, mosquitto_broker.port) as flooder:
+            await flooder.subscribe(plant.topics.activations(plant.coordinator.id), qos=1)
+
+            async def count_errors() -> None:
+                async for message in flooder.messages:
+                    assert isinstance(message.payload, bytes)
+                    for frame in frames.decode_all(message.payload, RESULT_LIMITS):
+                        if frame.kind == Kind.ERROR and frame.request >= FLOOD_ID:
+                            assert frame.retry  # the coordinator is told to replay, not fail
+                            flooded[frame.request] = flooded.get(frame.request, 0) + 1
+
+            counter = asyncio.create_task(count_errors())
+            batch = requests(TOKENS, prefix="valid", count=4)
+            await send(bus, plant, batch)
+            for offset in range(0, FLOOD_MESSAGES, FLOOD_WINDOW):
+                await asyncio.gather(*(
+                    flooder.publish(f"{root}/act/{target}", flood_message(m * FLOOD_FRAMES),
+                                    qos=1)
+                    for m in range(offset, min(offset + FLOOD_WINDOW, FLOOD_MESSAGES))))
+            total = FLOOD_MESSAGES * FLOOD_FRAMES
+            await gw.until(lambda: all(r.id in gw.responses for r in batch)
+                           and len(flooded) == total, WAIT_S)
+            counter.cancel()
+        grown = peak(agents.pid(target)) - resting
+        await gw.until(lambda: gw.metric(target, "refused_frames") > 0, 30)
+        refused = gw.metric(target, "refused_frames")
+    print(f"{target}: {refused:.0f} of {total} flood frames refused at the bound, peak "
+          f"+{grown / 2**20:.0f} MiB, budget +{budget(plant, target) / 2**20:.0f} MiB")
+    # Every flood frame: one ERROR frame to the coordinator, refused at the bound or
+    # found to belong to no request; none dropped without a word, none twice.
+    assert set(flooded.values()) == {1}
+    assert gw.messages("refused")  # the bound was reached, and said so
+    assert grown <= budget(plant, target)
+    assert_exact(smollm2_dir, gw, batch)
