@@ -1,0 +1,142 @@
+"""The coordinator can die: `kill -9` mid-generation, then a restart, or a second one.
+
+Every agent is an OS process over a real broker, and the gateway a real MQTT
+client with a persistent session, as a PLC gateway's would be. A request is
+answered once: after every expected answer, a last request is sent and
+answered, and since the coordinators' answers reach the gateway in the order
+they were sent, any second answer would have arrived before that one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from brokers import AmqttBroker, BrokerHandle, MosquittoBroker
+from plant_gateway import (
+    AgentProcesses,
+    Gateway,
+    assert_exact,
+    gateway,
+    mid_generation,
+    requests,
+    send,
+)
+
+from edgebus.client import BusClient
+from edgebus.errors import EdgebusError
+from node_agent.coordinator import Coordinator
+from node_agent.journal import default_directory
+from plant_config import Liveness, Plant, make_plant, write_plant
+
+pytestmark = pytest.mark.slow
+
+# Fast liveness, so a dead agent is seen within seconds.
+LIVENESS = Liveness(heartbeat_s=0.5, timeout_s=3.0, stage_wait_s=60.0)
+TOKENS = 24
+WAIT_S = 600.0
+
+
+def write_plant_file(model: Path, broker: BrokerHandle, workdir: Path,
+                     plant_id: str) -> tuple[Path, Plant]:
+    plant = make_plant(model, stages=2, broker=f"mqtt://{broker.host}:{broker.port}",
+                       plant_id=plant_id)
+    plant = plant.model_copy(update={
+        "liveness": LIVENESS,
+        "broker": plant.broker.model_copy(update={"protocol": "5" if broker.mqtt5 else "3.1.1"})})
+    path = workdir / "plant.yaml"
+    write_plant(plant, path)
+    return path, plant
+
+
+async def answered_once(gw: Gateway, bus: BusClient, plant: Plant, expected: list[str]) -> None:
+    """Wait for `expected` answers, then for a last request's, and check each came once."""
+    await gw.until(lambda: all(rid in gw.responses for rid in expected), WAIT_S)
+    last = requests(2, prefix="last-", count=1)
+    await send(bus, plant, last)
+    await gw.until(lambda: last[0].id in gw.responses, WAIT_S)
+    twice = {rid: n for rid, n in gw.answers.items() if n != 1}
+    assert not twice, f"answered more than once: {twice}"
+
+
+@pytest.mark.parametrize("kind", ["mosquitto", "amqtt"])
+async def test_a_coordinator_killed_mid_generation_answers_every_request_once_restarted(
+        kind: str, smollm2_dir: Path, tmp_path: Path, request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    broker: BrokerHandle = request.getfixturevalue(f"{kind}_broker")
+    path, plant = write_plant_file(smollm2_dir, broker, tmp_path, "restart")
+    monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))  # where the agents keep it
+    journal = default_directory(plant.plant_id, plant.topic_root, plant.coordinator.id)
+    coordinator = plant.coordinator.id
+    batch = requests(TOKENS, count=4)
+    with AgentProcesses(path, tmp_path) as agents:
+        for stage in plant.stages:
+            agents.start_stage(stage.node)
+        agents.start_coordinator()
+        async with gateway(plant) as (gw, bus):
+            await gw.until_online([*(s.node for s in plant.stages), coordinator])
+            await send(bus, plant, batch)
+            await mid_generation(gw, batch, 3)
+            before = gw.status(coordinator)
+            assert before is not None
+            agents.kill("coordinator")  # kill -9: no clean exit, no offline status of its own
+            agents.start_coordinator()  # as systemd's Restart=on-failure would
+            await gw.until_online([coordinator], after={coordinator: before.bdseq})
+            await answered_once(gw, bus, plant, [r.id for r in batch])
+            # Every one of them came back from the journal, and the journal is empty again.
+            await gw.until(lambda: gw.metric(coordinator, "requests_done") >= len(batch) + 1,
+                           WAIT_S)
+            assert gw.metric(coordinator, "resumed") == len(batch)
+            await gw.until(lambda: not list(journal.glob("*.json")), 60)
+    assert_exact(smollm2_dir, gw, batch)
+
+
+async def test_two_coordinators_share_requests_and_either_can_die(
+        smollm2_dir: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
+    path, plant = write_plant_file(smollm2_dir, mosquitto_broker, tmp_path, "pair")
+    first, second = plant.coordinator.id, f"{plant.coordinator.id}.b"
+    processes = {first: "coordinator", second: "coordinator-b"}
+    everyone = []
+    with AgentProcesses(path, tmp_path) as agents:
+        for stage in plant.stages:
+            agents.start_stage(stage.node)
+
+        def start(coordinator: str) -> None:
+            agents.start_coordinator(instance=None if coordinator == first else "b",
+                                     name=processes[coordinator])
+
+        start(first)
+        start(second)
+        async with gateway(plant) as (gw, bus):
+            await gw.until_online([*(s.node for s in plant.stages), first, second])
+            for round_, (victim, survivor) in enumerate([(first, second), (second, first)]):
+                batch = requests(TOKENS, prefix=f"{round_}-", count=8)
+                await send(bus, plant, batch)
+                await mid_generation(gw, batch, 3)
+                dead = gw.status(victim)
+                assert dead is not None
+                agents.kill(processes[victim])
+                await gw.until_offline(victim, 60)
+                # New requests, while the victim is down: the survivor answers all of
+                # them, those the broker handed to the victim's session too.
+                later = requests(8, prefix=f"{round_}-later-", count=4)
+                await send(bus, plant, later)
+                await gw.until_answered(later, WAIT_S)
+                assert agents.procs[processes[victim]].poll() is not None  # still dead
+                # The victim's own requests in flight wait in its journal for its restart.
+                start(victim)
+                await gw.until_online([victim], after={victim: dead.bdseq})
+                await gw.until_answered(batch, WAIT_S)
+                everyone += batch + later
+                print(f"round {round_}: {survivor} served {gw.metric(survivor, 'drained'):.0f} "
+                      f"request(s) from {victim}'s session; {victim} resumed "
+                      f"{gw.metric(victim, 'resumed'):.0f} from its journal")
+            await answered_once(gw, bus, plant, [r.id for r in everyone])
+    assert_exact(smollm2_dir, gw, everyone)
+
+
+def test_several_coordinators_need_mqtt_5(tiny_llama: Path, amqtt_broker: AmqttBroker,
+                                         tmp_path: Path) -> None:
+    _, plant = write_plant_file(tiny_llama, amqtt_broker, tmp_path, "amqtt")
+    with pytest.raises(EdgebusError, match="MQTT 5 shared subscription"):
+        Coordinator(plant, instance="b", journal_dir=tmp_path / "journal")
