@@ -103,8 +103,12 @@ class ModelCosts:
             total += self.embedding_bytes[mode]
         if stop == self.num_layers:
             total += self.head_bytes[mode]
-            if first == 0 and self.tied and not (mode == "fp32" and self.packed_fp32):
-                total -= self.embedding_bytes[mode]  # one matrix, counted above already
+            # One matrix, counted above already, where the engine shares it: not where
+            # oneDNN packs the fp32 head apart, nor where onnxruntime's head graph holds
+            # its own copy beside the embedding's lookup table (int8, int4).
+            shared = mode == "bf16" or (mode == "fp32" and not self.packed_fp32)
+            if first == 0 and self.tied and shared:
+                total -= self.embedding_bytes[mode]
         return total
 
 

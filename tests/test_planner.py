@@ -18,7 +18,7 @@ from tiny_models import build_tiny
 
 from edgebus.cli import main
 from edgebus.errors import PlantConfigError
-from node_agent.engines.torch_engine import TorchEngine
+from node_agent.engines import load_engine
 from node_agent.profile import PROFILE_FILE, model_costs
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
@@ -285,10 +285,18 @@ def test_weight_bytes_are_what_a_loaded_stage_holds(
     # qwen2: a tied head, and one stage holding embedding and head; deepseek_v3: MoE experts.
     model_dir = build_tiny(family, tmp_path, smollm2_dir)
     costs, _, _ = model_costs(model_dir)
+    # Each mode on the engine `auto` runs it on; onnxruntime (int8, int4) does not run
+    # DeepSeek's latent attention, and holds its weights in graph files whose protobuf
+    # framing and fp32 norms the shapes do not count exactly.
+    modes = ("fp32", "bf16") if family == "deepseek_v3" else ("fp32", "bf16", "int8", "int4")
     for layers in [(0, 2), (2, 6), (0, 6)]:
-        for mode in ("fp32", "bf16", "int8"):
-            stage = TorchEngine(model_dir, *layers, weights=mode)
-            assert costs.weight_bytes(layers, mode) == stage.param_bytes, (layers, mode)
+        for mode in modes:
+            stage = load_engine(model_dir, *layers, weights=mode)
+            held, planned = stage.param_bytes, costs.weight_bytes(layers, mode)
+            if stage.name == "torch":
+                assert planned == held, (layers, mode)
+            else:
+                assert abs(planned - held) < 0.05 * held, (layers, mode, planned, held)
 
 
 def test_profile_is_cached_next_to_the_model(tmp_path: Path, smollm2_dir: Path) -> None:
