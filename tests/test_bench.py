@@ -312,7 +312,7 @@ def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
     assert f"edgebus bench --out {result.settings.out}\n" in markdown
     assert "| CPU | AMD EPYC |" in markdown
     assert "stages hold layers [0, 10), [10, 20), [20, 30)" in markdown
-    assert "| llama.cpp (Q4_1 GGUF), single stream | not installed |" in markdown
+    assert "| llama.cpp (Q4_1 GGUF), single stream | not measured (see Notes) |" in markdown
     assert "| transformers, static batch 16 | 80.0 |" in markdown
     fp32 = "fp32 (torch) over mosquitto"
     assert f"| {fp32} | 16 | 32 | 70.0 | 7.00x | 300.0 ms | 100.0 ms | 200.0 ms |" in markdown

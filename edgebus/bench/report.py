@@ -307,9 +307,10 @@ def _baselines(result: BenchResult) -> str:
                  "", ms(hf.long_ttft_s), "", ""])
     llama = result.llama_cpp
     if llama is None:
-        rows.append(["llama.cpp (Q4_1 GGUF), single stream", "not installed", "", "", ""])
+        rows.append(["llama.cpp (Q4_1 GGUF), single stream", "not measured (see Notes)", "",
+                     "", ""])
     else:
-        rows.append(["llama.cpp (Q4_1 GGUF), single stream", rate(llama.tok_s),
+        rows.append(["llama.cpp (Q4_1 GGUF, llama-cpp-python), single stream", rate(llama.tok_s),
                      ms(llama.ttft_s), ms(llama.itl_p50_s), ms(llama.itl_p99_s)])
     cores = result.machine.usable_cores
     return (f"## One-process baselines ({cores} threads)\n\n"

@@ -134,7 +134,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
                                            threads=cores)
         with _phase(bar, "baseline: llama.cpp"):
             llama = baseline.run_llama_cpp(bundled_gguf(), chat_ids, tokens=settings.tokens,
-                                           runs=settings.runs, threads=cores)
+                                           runs=settings.runs, threads=cores, notes=notes)
         with _phase(bar, "peers: llama.cpp's server and RPC"):
             peer_runs = peers.run_peers(
                 bundled_gguf(), chat_ids, tokens=settings.tokens, runs=settings.runs,
