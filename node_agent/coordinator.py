@@ -27,10 +27,11 @@ for a stage to notice.
 Restarts. A request is journaled on disk (node_agent/journal.py) before it is
 acknowledged to the broker and forgotten once its answer has been; a
 coordinator that starts answers what its journal holds, and the broker
-delivers again what was never acknowledged. On MQTT 5 the coordinators of a
-plant share the request subscription (`$share/...`), so several may run at
-once (`instance`); when one goes offline, another serves the requests the
-broker keeps in the dead one's session until it is back. docs/failover.md has
+delivers again what was never acknowledged. A plant may run several
+coordinators at once (`coordinator.instances`, MQTT 5): they share the
+request subscription (`$share/...`), and when one goes offline another
+serves the requests the broker keeps in the dead one's session until it is
+back. docs/failover.md has
 the whole story, and the faults each part answers.
 """
 
@@ -221,16 +222,23 @@ class Coordinator:
         self.agent_id = self.spec.id if not instance else check_level(
             f"{self.spec.id}.{instance}", "coordinator instance")
         self.mqtt5 = plant.endpoint_for(self.spec.id).protocol == "5"
-        if instance and not self.mqtt5:
+        # Several coordinators (coordinator.instances) take requests from one
+        # MQTT 5 shared subscription: the broker hands each request to one of them.
+        self.shared = bool(self.spec.instances)
+        if instance and instance not in self.spec.instances:
             raise EdgebusError(
-                f"coordinator instance {instance!r}: several coordinators share the requests "
-                "through an MQTT 5 shared subscription, and this plant's broker speaks MQTT "
-                "3.1.1 (the embedded amqtt broker does). Run one coordinator, or use Mosquitto "
-                'with broker.protocol: "5"')
-        # On MQTT 5 every coordinator of the plant takes requests from one shared
-        # subscription: the broker hands each request to one of them.
+                f"coordinator instance {instance!r} is not in the plant file's "
+                f"coordinator.instances {self.spec.instances}: add it there, on every box")
+        if self.shared and not self.mqtt5:
+            raise EdgebusError(
+                f"coordinator.instances {self.spec.instances}: several coordinators share the "
+                "requests through an MQTT 5 shared subscription, and this plant's broker speaks "
+                "MQTT 3.1.1 (the embedded amqtt broker does). Run one coordinator, or use "
+                'Mosquitto with broker.protocol: "5"')
+        # A lone coordinator keeps a plain subscription: Mosquitto 2.0 restores it
+        # from its database after a restart, a shared one it does not (measured).
         self.request_filter = (f"$share/{plant.plant_id}-{self.spec.id}/"
-                               f"{self.topics.request_filter}" if self.mqtt5
+                               f"{self.topics.request_filter}" if self.shared
                                else self.topics.request_filter)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(plant.model)
         self.eos_ids = _eos_ids(plant, self.tokenizer)
@@ -441,7 +449,7 @@ class Coordinator:
         coordinator coming back takes its session back (the broker ends ours).
         """
         peer_id = status.agent_id
-        if (not self.mqtt5 or peer_id == self.agent_id
+        if (not self.shared or peer_id == self.agent_id
                 or not (peer_id == self.spec.id or peer_id.startswith(f"{self.spec.id}."))):
             return
         peer = self._peers.setdefault(peer_id, Peer(online=False, bdseq=0))
@@ -905,7 +913,8 @@ def run_coordinator(plant: Plant, batch_groups: int | None = None,
     """`edgebus coordinator PLANT`: serve requests until SIGTERM.
 
     `instance` (default: $EDGEBUS_INSTANCE) names this coordinator when several
-    serve one plant at once over MQTT 5; each needs a name of its own.
+    serve one plant at once: one of the plant file's coordinator.instances. The
+    coordinator without one is the plant's first.
     """
     instance = instance or os.environ.get(INSTANCE_ENV) or None
 

@@ -353,11 +353,25 @@ class CoordinatorSpec(_Section):
     # same time, which cuts time to first token; and frames stay far under a
     # broker's packet limit (128 x 4096 fp16 = 1 MiB).
     prefill_chunk: PositiveInt = 128
+    # More coordinators serving the plant at once, by instance name (each runs
+    # as `EDGEBUS_INSTANCE=NAME edgebus coordinator PLANT`, status `<id>.NAME`).
+    # With any listed, every coordinator takes requests from one MQTT 5 shared
+    # subscription; docs/failover.md says what that keeps and what it cannot.
+    instances: list[str] = []
 
     @field_validator("id")
     @classmethod
     def _check_id(cls, agent_id: str) -> str:
         return check_level(agent_id, "coordinator id")
+
+    @field_validator("instances")
+    @classmethod
+    def _check_instances(cls, names: list[str]) -> list[str]:
+        for name in names:
+            check_level(name, "coordinator instance")
+        if len(set(names)) != len(names):
+            raise ValueError("instance names must be distinct")
+        return names
 
 
 class Plant(_Section):

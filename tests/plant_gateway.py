@@ -64,12 +64,24 @@ class Gateway:
     statuses: list[tuple[float, AgentStatus]] = field(default_factory=list)
     events: list[dict[str, object]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The gateway side of the contract (docs/failover.md): when the coordinator
+    # comes online in a new session, publish again what it has not answered.
+    resend: bool = False
+    bus: BusClient | None = None
+    sent: dict[str, GenerateRequest] = field(default_factory=dict)
+    resent: int = 0
 
     def on_message(self, message: aiomqtt.Message) -> None:
         payload = message.payload if isinstance(message.payload, bytes) else b""
         topic = message.topic.value
         if topic.startswith(f"{self.plant.topic_root}/status/"):
-            self.statuses.append((time.monotonic(), AgentStatus.model_validate_json(payload)))
+            status = AgentStatus.model_validate_json(payload)
+            previous = self.status(status.agent_id)
+            self.statuses.append((time.monotonic(), status))
+            if (self.resend and status.agent_id == self.plant.coordinator.id
+                    and status.state == "online" and previous is not None
+                    and status.bdseq != previous.bdseq):
+                self._resend()
         elif topic == self.plant.topics.events:
             self.events.append(json.loads(payload))
         elif topic.endswith("/stream"):
@@ -81,6 +93,14 @@ class Gateway:
             self.answers[response.id] = self.answers.get(response.id, 0) + 1
             self.received.setdefault(response.id, time.monotonic())
         self.changed.set()
+
+    def _resend(self) -> None:
+        assert self.bus is not None
+        for request in self.sent.values():
+            if request.id not in self.responses:
+                self.resent += 1
+                self.bus.send(self.plant.topics.request(self.client_id),
+                              request.model_dump_json())
 
     async def until(self, condition: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -127,14 +147,20 @@ class Gateway:
 
 
 @asynccontextmanager
-async def gateway(plant: Plant, client_id: str = "plc") -> AsyncIterator[tuple[Gateway, BusClient]]:
-    """A gateway with a persistent session: responses wait for it across a broker restart."""
-    gw = Gateway(plant, client_id)
+async def gateway(plant: Plant, client_id: str = "plc", *,
+                  resend: bool = False) -> AsyncIterator[tuple[Gateway, BusClient]]:
+    """A gateway with a persistent session: responses wait for it across a broker restart.
+
+    `resend`: publish unanswered requests again whenever the coordinator
+    comes back in a new session (what a gateway does to outlive a broker crash).
+    """
+    gw = Gateway(plant, client_id, resend=resend)
     topics = plant.topics
     bus = BusClient(plant.broker.endpoint(), f"{plant.plant_id}.{client_id}",
                     subscriptions=[(topics.response_filter(client_id), 1),
                                    (topics.status_filter, 1), (topics.events, 1)],
                     persistent=True)
+    gw.bus = bus
     runner = asyncio.create_task(bus.run(gw.on_message))
     try:
         await bus.wait_connected(10)
@@ -145,8 +171,10 @@ async def gateway(plant: Plant, client_id: str = "plc") -> AsyncIterator[tuple[G
 
 
 async def send(bus: BusClient, plant: Plant, batch: list[GenerateRequest],
-               client_id: str = "plc") -> None:
+               client_id: str = "plc", gw: Gateway | None = None) -> None:
     for request in batch:
+        if gw is not None:
+            gw.sent[request.id] = request
         await bus.publish(plant.topics.request(client_id), request.model_dump_json(), qos=1)
 
 
@@ -201,9 +229,11 @@ class AgentProcesses:
         return self.procs[name].pid
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig`; for a deadly one, wait for the process to end."""
         proc = self.procs[name]
         proc.send_signal(sig)
-        proc.wait(60)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            proc.wait(60)
 
     def stop_all(self) -> None:
         for proc in self.procs.values():

@@ -37,13 +37,14 @@ TOKENS = 24
 WAIT_S = 600.0
 
 
-def write_plant_file(model: Path, broker: BrokerHandle, workdir: Path,
-                     plant_id: str) -> tuple[Path, Plant]:
+def write_plant_file(model: Path, broker: BrokerHandle, workdir: Path, plant_id: str, *,
+                     instances: tuple[str, ...] = ()) -> tuple[Path, Plant]:
     plant = make_plant(model, stages=2, broker=f"mqtt://{broker.host}:{broker.port}",
                        plant_id=plant_id)
     plant = plant.model_copy(update={
         "liveness": LIVENESS,
-        "broker": plant.broker.model_copy(update={"protocol": "5" if broker.mqtt5 else "3.1.1"})})
+        "broker": plant.broker.model_copy(update={"protocol": "5" if broker.mqtt5 else "3.1.1"}),
+        "coordinator": plant.coordinator.model_copy(update={"instances": list(instances)})})
     path = workdir / "plant.yaml"
     write_plant(plant, path)
     return path, plant
@@ -93,7 +94,8 @@ async def test_a_coordinator_killed_mid_generation_answers_every_request_once_re
 
 async def test_two_coordinators_share_requests_and_either_can_die(
         smollm2_dir: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
-    path, plant = write_plant_file(smollm2_dir, mosquitto_broker, tmp_path, "pair")
+    path, plant = write_plant_file(smollm2_dir, mosquitto_broker, tmp_path, "pair",
+                                   instances=("b",))
     first, second = plant.coordinator.id, f"{plant.coordinator.id}.b"
     processes = {first: "coordinator", second: "coordinator-b"}
     everyone = []
@@ -135,8 +137,12 @@ async def test_two_coordinators_share_requests_and_either_can_die(
     assert_exact(smollm2_dir, gw, everyone)
 
 
-def test_several_coordinators_need_mqtt_5(tiny_llama: Path, amqtt_broker: AmqttBroker,
-                                         tmp_path: Path) -> None:
-    _, plant = write_plant_file(tiny_llama, amqtt_broker, tmp_path, "amqtt")
+def test_several_coordinators_need_mqtt_5_and_a_declared_name(
+        tiny_llama: Path, amqtt_broker: AmqttBroker, mosquitto_broker: MosquittoBroker,
+        tmp_path: Path) -> None:
+    _, plant = write_plant_file(tiny_llama, amqtt_broker, tmp_path, "amqtt", instances=("b",))
     with pytest.raises(EdgebusError, match="MQTT 5 shared subscription"):
-        Coordinator(plant, instance="b", journal_dir=tmp_path / "journal")
+        Coordinator(plant, journal_dir=tmp_path / "journal")
+    _, plant = write_plant_file(tiny_llama, mosquitto_broker, tmp_path, "mosquitto")
+    with pytest.raises(EdgebusError, match=r"not in the plant file's coordinator\.instances"):
+        Coordinator(plant, instance="c", journal_dir=tmp_path / "journal")
