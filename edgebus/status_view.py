@@ -123,8 +123,8 @@ def report(plant: Plant, view: ClusterView, now: float | None = None) -> dict[st
             "plan": None if view.plan is None else view.plan.model_dump(), "agents": agents}
 
 
-_COLUMNS = ("AGENT", "ROLE", "STAGE", "LAYERS", "STATE", "AGE", "TOK/S", "BUSY", "QUEUE",
-            "IN FLIGHT", "KV", "RSS", "UPTIME", "LAST ERROR")
+_COLUMNS = ("AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "STATE", "AGE", "TOK/S", "BUSY",
+            "QUEUE", "IN FLIGHT", "KV", "RSS", "UPTIME", "LAST ERROR")
 
 
 def table(data: dict[str, Any]) -> str:
@@ -147,7 +147,7 @@ def table(data: dict[str, Any]) -> str:
 def _row(agent: dict[str, Any]) -> tuple[str, ...]:
     status = agent["status"]
     if status is None:
-        return (agent["agent_id"], "-", "-", "-", agent["state"], *["-"] * 9)
+        return (agent["agent_id"], "-", "-", "-", "-", agent["state"], *["-"] * 9)
     m = status["metrics"]
     stage = status["role"] == "stage"
     layers = status["layers"]
@@ -156,13 +156,20 @@ def _row(agent: dict[str, Any]) -> tuple[str, ...]:
         error = error[:_ERROR_CHARS - 1] + "…"
     return (agent["agent_id"], status["role"],
             _num(status["stage"]), f"[{layers[0]}, {layers[1]})" if layers else "-",
-            agent["state"], _duration(agent["age_s"]),
+            _engine(status.get("engine")), agent["state"], _duration(agent["age_s"]),
             # A stage's rate is rows: one per request per decode step, one per prompt chunk.
             _num(m.get("rows_per_s" if stage else "tokens_per_s"), ".1f"),
             "-" if "busy" not in m else f"{m['busy']:.0%}",
             _num(m.get("queue")), _num(m.get("requests" if stage else "in_flight")),
             _bytes(m.get("kv_bytes")), _bytes(status["rss_bytes"]),
             _duration(status["uptime_s"]), error or "-")
+
+
+def _engine(engine: dict[str, Any] | None) -> str:
+    """What runs a stage, in a few characters: "onnxruntime int4 x1" (x: its threads)."""
+    if not engine:
+        return "-"
+    return f"{engine.get('engine', '?')} {engine.get('weights', '?')} x{engine.get('threads', '?')}"
 
 
 def _num(value: float | None, spec: str = ".0f") -> str:

@@ -236,9 +236,11 @@ async def test_edgebus_status_shows_the_live_plant(tiny_llama: Path, amqtt_broke
         table = [re.split(r"\s{2,}", line) for line in lines[2:]]
         header = table[0]
         rows = {row[0]: dict(zip(header, row, strict=True)) for row in table[1:]}
-        assert header[:6] == ["AGENT", "ROLE", "STAGE", "LAYERS", "STATE", "AGE"]
+        assert header[:7] == ["AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "STATE", "AGE"]
         assert list(rows) == ["stage-0", "stage-1", "coordinator"]
         assert rows["stage-1"]["LAYERS"] == "[3, 6)" and rows["stage-1"]["STATE"] == "online"
+        assert rows["stage-1"]["ENGINE"].startswith("torch fp32 x")
+        assert rows["coordinator"]["ENGINE"] == "-"
         assert rows["stage-1"]["LAST ERROR"].startswith("dropped ")
         assert rows["coordinator"]["IN FLIGHT"] == "0" and rows["stage-0"]["LAST ERROR"] == "-"
         assert rows["stage-0"]["RSS"].endswith(("M", "G"))
