@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,14 +68,18 @@ class Journal:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        # add() and remove() run on worker threads: an empty journal's directory
+        # is removed, and must not go between another add()'s mkdir and its write.
+        self._lock = threading.Lock()
 
     def open(self) -> list[Entry]:
-        """Create the directory if need be; return the entries a previous run left.
+        """Return the entries a previous run left.
 
         An entry that cannot be read (a disk that lost a block) is renamed to
         `*.bad`, logged and skipped: it must not stop the coordinator.
         """
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not self.directory.is_dir():
+            return []
         entries = []
         for path in sorted(self.directory.glob(f"*{_SUFFIX}")):
             try:
@@ -90,22 +95,33 @@ class Journal:
     def add(self, entry: Entry) -> None:
         """Write `entry` durably (blocking: call it from a worker thread)."""
         final = self.directory / key_name(entry.client, entry.request_id)
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(entry.to_json())
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        self._sync_directory()
+        with self._lock:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    out.write(entry.to_json())
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, final)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self._sync_directory()
 
     def remove(self, client: str, request_id: str) -> None:
-        """Forget a request that has been answered (blocking: call it from a worker thread)."""
-        (self.directory / key_name(client, request_id)).unlink(missing_ok=True)
-        self._sync_directory()
+        """Forget a request that has been answered (blocking: call it from a worker thread).
+
+        An empty journal leaves no directory behind (nor an empty one for its plant).
+        """
+        with self._lock:
+            (self.directory / key_name(client, request_id)).unlink(missing_ok=True)
+            self._sync_directory()
+            for directory in (self.directory, self.directory.parent):
+                try:
+                    directory.rmdir()
+                except OSError:  # not empty: other requests, or other coordinators
+                    break
 
     def _sync_directory(self) -> None:
         # A rename or unlink is durable only once the directory is: without
