@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from edgebus.model_import import ensure_demo_model
 from node_agent.engines import StageEngine, load_engine
+from node_agent.engines.onnx_engine import prepare_graphs
 from node_agent.engines.tuning import cpu_model
 from node_agent.kv_cache import KVCache
 from plant_config.schema import EngineName, WeightMode
@@ -215,6 +216,9 @@ def measure(model_dirs: dict[bool, Path]) -> list[VariantResult]:
         same = sum(a == b for out, ref in zip(outputs, reference, strict=True)
                    for a, b in zip(out, ref, strict=True))
         model_dir = model_dirs[variant.kept_gguf]
+        if variant.engine == "onnxruntime":  # built here, so the child measures loading only
+            for first, end in ((1, 2), MIDDLE):
+                prepare_graphs(model_dir, first, end, variant.weights, progress=False)
         result = VariantResult(variant=variant, tokens_per_s=speed[variant],
                                rss_bytes=stage_rss(model_dir, variant, 0, layers),
                                middle_rss_bytes=stage_rss(model_dir, variant, *MIDDLE),
