@@ -156,8 +156,13 @@ async def test_a_flood_of_frames_is_refused_at_the_bound_and_every_frame_account
                                     qos=1)
                     for m in range(offset, min(offset + FLOOD_WINDOW, FLOOD_MESSAGES))))
             total = FLOOD_MESSAGES * FLOOD_FRAMES
-            await gw.until(lambda: all(r.id in gw.responses for r in batch)
-                           and len(flooded) == total, WAIT_S)
+            try:
+                await gw.until(lambda: all(r.id in gw.responses for r in batch)
+                               and len(flooded) == total, WAIT_S)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; {len(flooded)} of {total} flood frames answered "
+                                     f"by an ERROR frame; {target}: "
+                                     f"{gw.status(target)}") from None
             counter.cancel()
         grown = peak(agents.pid(target)) - resting
         await gw.until(lambda: gw.metric(target, "refused_frames") > 0, 30)
