@@ -324,7 +324,7 @@ class BatchError(FrameError):
     """
 
     def __init__(self, good: list[Frame], cause: FrameError,
-                 suspects: list[Header] | None = None) -> None:
+                 suspects: list[Peek] | None = None) -> None:
         where = f"frame {len(good) + 1} of the message: " if good else ""
         super().__init__(f"{where}{cause}")
         self.good = good
@@ -362,10 +362,10 @@ def scan(data: bytes, limits: FrameLimits) -> list[Peek]:
         if len(peeks) == limits.max_frames:
             raise BatchError([], FrameError(
                 f"message carries more than {limits.max_frames} frames, the most a legal "
-                "one does"), [p.header() for p in peeks])
+                "one does"), peeks)
         peek, error = _scan_one(data, offset, limits)
         if error is not None:
-            raise BadTail(peeks, error, [] if peek is None else [peek.header()])
+            raise BadTail(peeks, error, [] if peek is None else [peek])
         assert peek is not None
         peeks.append(peek)
         offset = peek.end
@@ -375,7 +375,7 @@ def scan(data: bytes, limits: FrameLimits) -> list[Peek]:
 class BadTail(BatchError):
     """A message whose frame len(peeks) + 1 cannot be read, after `peeks` that could."""
 
-    def __init__(self, peeks: list[Peek], cause: FrameError, suspects: list[Header]) -> None:
+    def __init__(self, peeks: list[Peek], cause: FrameError, suspects: list[Peek]) -> None:
         super().__init__([], cause, suspects)
         self.peeks = peeks
 
@@ -388,7 +388,7 @@ def decode_scanned(data: bytes, peeks: list[Peek]) -> list[Frame]:
         try:
             result.append(_finish(data, peek))
         except FrameError as exc:
-            raise BatchError(result, exc, [p.header() for p in peeks[index:]]) from None
+            raise BatchError(result, exc, peeks[index:]) from None
     return result
 
 

@@ -110,6 +110,11 @@ STALL_FACTOR = 4.0
 STALL_MIN_S = 3.0
 # How fast the memory of a slow step fades, per completed step (~half in 70).
 PACE_DECAY = 0.99
+# Before any step has been seen to judge by, a step counts as lost after this
+# share of request_timeout_s (30 s of the default 120): a first result the
+# broker dropped costs a quarter of the timeout, not all of it, and a prefill
+# that is merely slow is waited for twice as long on its replay.
+COLD_STALL_SHARE = 0.25
 # Messages bigger than this, or holding LZ4, are decoded on a worker thread.
 DECODE_INLINE_BYTES = 64 * 1024
 # Environment variable naming this coordinator's instance when several run at once.
@@ -696,10 +701,10 @@ class Coordinator:
             positions = len(gen.history) - gen.synced
             self._feed(gen, candidates)
             sent = time.monotonic()
-            stall = self._pace.stall_after(positions)
+            stall = self._pace.stall_after(positions) or timeout * COLD_STALL_SHARE
             # Each replay for a stall doubles the next wait: a pipeline that is
             # merely slow, not losing frames, is soon waited for long enough.
-            wait = timeout if stall is None else min(timeout, stall * 2 ** gen.recoveries)
+            wait = min(timeout, stall * 2 ** gen.recoveries)
             try:
                 frame = await asyncio.wait_for(gen.result, wait)
             except _Lost:
@@ -713,8 +718,7 @@ class Coordinator:
                                        f"{timeout:.0f} s from nodes "
                                        f"{', '.join(gen.nodes)}") from None
                 await self._recover(gen, f"no result for step {gen.step} within {wait:.1f} s, "
-                                    f"{STALL_FACTOR:.0f}x the slowest step of late: taken as "
-                                    "lost in transit")
+                                    "far longer than steps of late: taken as lost in transit")
                 continue
             self._pace.record(positions, time.monotonic() - sent)
             gen.synced = len(gen.history)

@@ -19,7 +19,11 @@ budget can ever hold of prompts; a message past it is refused, not queued.
 A frame that cannot be used, for a request this node cannot go on with as
 sent, is reported to the coordinator at once with an ERROR frame marked for
 replay: one lost on the way (a gap in positions, or no prefill at all), one
-that is bad, or one refused at the bound. The coordinator replays the request
+that is bad, or one refused at the bound. Only frames that may belong to a
+request in flight are reported: a prompt chunk, or a frame of a request this
+node holds or evicted lately. A decode step for a request it never saw can
+belong to none (its prefill would have come first), so garbage aimed at a
+stage costs the coordinator nothing. The coordinator replays the request
 as it does after a dead node. An event on `{root}/events` says what happened
 (rate-limited, node_agent/reporter.py). Nothing takes the agent or another
 request's state down with it, and nothing is dropped without a word.
@@ -77,6 +81,9 @@ FRAME_OVERHEAD_BYTES = 1024
 # decoder thread: a decode step's frame (a few KB) is checked faster in the
 # loop than a thread hop takes, a prefill chunk's (hundreds of KB) is not.
 DECODE_INLINE_BYTES = 64 * 1024
+# Ids of caches evicted lately, whose next frame the coordinator must hear of
+# (its request is replayed): far more than a sweep evicts at once.
+EVICTED_MEMORY = 1024
 # Headroom of `waiting_limit` over what the KV budget holds: a replayed or
 # ended request's frames may still wait while its successor, reserved against
 # the same budget, arrives.
@@ -155,7 +162,9 @@ class StageAgent:
         # A cache idle this long when room is needed belongs to a request that is not
         # moving: its route lost a node, or its coordinator died (see the docstring).
         self.idle_evict_s = plant.liveness.timeout_s
-        self.caches: dict[int, KVCache] = {}  # touched only by the worker thread
+        self.caches: dict[int, KVCache] = {}  # changed only by the worker thread
+        # Requests whose caches were evicted lately (EVICTED_MEMORY), by the worker thread.
+        self._evicted: collections.OrderedDict[int, None] = collections.OrderedDict()
         config = self.model.config
         self.limits = frames.stage_limits(
             prefill_chunk=plant.coordinator.prefill_chunk, hidden=config.hidden_size,
@@ -168,9 +177,10 @@ class StageAgent:
         # Prompt chunks waiting for a pass; bounded by `waiting_limit` with the inbox.
         self._prompts: collections.deque[Frame] = collections.deque()
         self._swept = time.monotonic()
+        # Counters; the event loop and the worker thread each have keys of their own.
         self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "mixed_steps": 0.0,
-                        "skipped_frames": 0.0, "evicted": 0.0, "refused_frames": 0.0,
-                        "lost_frames": 0.0, "bad_frames": 0.0}
+                        "skipped_frames": 0.0, "evicted": 0.0, "lost_frames": 0.0,
+                        "bad_frames": 0.0, "refused_frames": 0.0, "unreadable_frames": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(node_id), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
@@ -218,7 +228,7 @@ class StageAgent:
             self.metrics["refused_frames"] += len(peeks)
             reason = (f"node {self.node_id} has {self.waiting} bytes of frames waiting, "
                       f"{need} more would pass its bound of {self.waiting_limit}")
-            self._tell_coordinator([p.header() for p in peeks], f"refused: {reason}", busy=True)
+            self._tell_coordinator(peeks, f"refused: {reason}", busy=True)
             self.reporter.report("warning", f"refused {len(peeks)} frame(s) on {topic}: "
                                  f"{reason}; the coordinator replays their requests")
             return
@@ -254,18 +264,23 @@ class StageAgent:
         """These frames no longer wait: give their bytes back to the bound."""
         self.waiting -= sum(_cost(f) for f in batch)
 
-    def _tell_coordinator(self, headers: list[Header], reason: str, *,
-                          busy: bool = False) -> None:
+    def _tell_coordinator(self, peeks: list[Peek], reason: str, *, busy: bool = False) -> None:
         """ERROR frames marked for replay: the requests cannot go on as sent (`busy`: not
-        until this node has room again)."""
-        if headers:
+        until this node has room again). Only for frames that may be a live request's."""
+        told = [p.header() for p in peeks[:self.limits.max_frames]
+                if self._in_flight(p.request, p.prefill)]
+        if told:
             self.bus.send(self.coordinator_topic, b"".join(
                 frames.encode_error(h, f"stage node {self.node_id}: {reason}", retry=True,
-                                    busy=busy)
-                for h in headers[:self.limits.max_frames]))
+                                    busy=busy) for h in told))
+
+    def _in_flight(self, request: int, prefill: bool) -> bool:
+        """Whether a frame may belong to a request in flight: a prompt chunk (the first of a
+        request, or one after a lost one), or a frame of a request held or evicted here."""
+        return prefill or request in self.caches or request in self._evicted
 
     def _dropped(self, message: str, count: int) -> None:
-        self.metrics["bad_frames"] += count
+        self.metrics["unreadable_frames"] += count
         self.reporter.report("error", message)
 
     # -- scheduling (event loop) -----------------------------------------------
@@ -350,6 +365,11 @@ class StageAgent:
             except FrameError as exc:
                 # Lost on the way or bad: a replay of the request recovers either.
                 self.metrics["lost_frames" if isinstance(exc, _Lost) else "bad_frames"] += 1
+                if not self._in_flight(frame.request, frame.prefill):
+                    errors.append(f"dropped frame of request {frame.request:x} step "
+                                  f"{frame.step}: {exc}; no request in flight sends such a "
+                                  "frame")
+                    continue
                 out[self.coordinator_topic].append(frames.encode_error(
                     Header.of(frame), f"stage node {self.node_id}: {exc}", retry=True))
                 errors.append(f"dropped frame of request {frame.request:x} step {frame.step}: "
@@ -419,8 +439,7 @@ class StageAgent:
             idle = sorted((c.touched, rid) for rid, c in self.caches.items()
                           if rid != frame.request and now - c.touched > self.idle_evict_s)
             for _, rid in idle:
-                held -= self.caches.pop(rid).nbytes
-                self.metrics["evicted"] += 1
+                held -= self._evict(rid)
                 if held + need <= self.kv_budget:
                     break
         if held + need > self.kv_budget:
@@ -442,10 +461,18 @@ class StageAgent:
         self._swept = now
         idle = [rid for rid, c in self.caches.items() if now - c.touched > self.abandon_after_s]
         for rid in idle:
-            del self.caches[rid]
+            self._evict(rid)
         if idle:
-            self.metrics["evicted"] += len(idle)
             return_freed_memory()
+
+    def _evict(self, request: int) -> int:
+        """Drop a cache its request is not using (worker thread); return the bytes freed."""
+        freed = self.caches.pop(request).nbytes
+        self.metrics["evicted"] += 1
+        self._evicted[request] = None
+        while len(self._evicted) > EVICTED_MEMORY:
+            self._evicted.popitem(last=False)
+        return freed
 
     def _next_topic(self, frame: Frame) -> str:
         """Where this frame's output goes: the route's node of the next stage."""

@@ -123,9 +123,11 @@ async def test_an_lz4_bomb_costs_a_stage_nothing_and_valid_requests_stay_exact(
 
 
 def flood_message(first: int) -> bytes:
-    """FLOOD_FRAMES well-formed decode frames for requests stage-0 never saw."""
+    """FLOOD_FRAMES well-formed prompt chunks that continue prompts stage-0 never saw: each
+    looks like a request in flight whose first chunk was lost, so each must be told."""
     return b"".join(frames.encode(Kind.TOKENS, torch.tensor([[11]]),
-                                  Header(FLOOD_ID + first + i, 1, 1, (0, 0)), start=5)
+                                  Header(FLOOD_ID + first + i, 1, 0, (0, 0)), start=5,
+                                  prefill=True)
                     for i in range(FLOOD_FRAMES))
 
 
@@ -167,10 +169,13 @@ async def test_a_flood_of_frames_is_refused_at_the_bound_and_every_frame_account
         grown = peak(agents.pid(target)) - resting
         await gw.until(lambda: gw.metric(target, "refused_frames") > 0, 30)
         refused = gw.metric(target, "refused_frames")
+        # Once the flood drained, every byte counted against the bound is given back
+        # (a heartbeat says so within seconds, or this wait fails).
+        await gw.until(lambda: gw.metric(target, "waiting_bytes") == 0, 60)
     print(f"{target}: {refused:.0f} of {total} flood frames refused at the bound, peak "
           f"+{grown / 2**20:.0f} MiB, budget +{budget(plant, target) / 2**20:.0f} MiB")
     # Every flood frame: one ERROR frame to the coordinator, refused at the bound or
-    # found to belong to no request; none dropped without a word, none twice.
+    # found to continue no prompt held here; none dropped without a word, none twice.
     assert set(flooded.values()) == {1}
     assert gw.messages("refused")  # the bound was reached, and said so
     assert grown <= budget(plant, target)
