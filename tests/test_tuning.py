@@ -17,7 +17,8 @@ from node_agent.runtime import StatusPayload
 @pytest.fixture
 def model_dir(tmp_path: Path, tiny_llama: Path) -> Path:
     """A private copy: the tuning cache is written into the model directory."""
-    return Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    return Path(shutil.copytree(tiny_llama, tmp_path / "model",
+                                ignore=shutil.ignore_patterns(tuning.TUNING_FILE)))
 
 
 def test_fp32_times_every_layout_caches_the_winner_and_reuses_it(model_dir: Path) -> None:
