@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import uuid
@@ -54,8 +53,6 @@ from node_agent.engines.onnx_graphs import AFTER, BEFORE, HEAD, NORM, PartSpec
 from node_agent.kv_cache import KVCache
 from node_agent.ragged import BatchKV, Segment, causal_mask, first_key, sliding_window
 from plant_config.schema import Device, WeightMode
-
-log = logging.getLogger(__name__)
 
 CACHE_DIR = "edgebus-onnx"
 # Written last into a stage's graph directory: its presence means complete.
