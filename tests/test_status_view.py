@@ -204,6 +204,9 @@ async def test_edgebus_status_shows_the_live_plant(tiny_llama: Path, amqtt_broke
         code, data = await status_json_until(plant_path, lambda d: (
             agent(d, "stage-1")["status"]["last_error"] is not None
             and agent(d, "coordinator")["status"]["metrics"].get("tokens") == TOKENS
+            # A stage frees a request's KV on RELEASE, which may land after the answer.
+            and all(agent(d, node)["status"]["metrics"].get("kv_bytes") == 0
+                    for node in ("stage-0", "stage-1"))
             and "busy" in agent(d, "stage-0")["status"]["metrics"]))
         assert code == 0
         assert [a["agent_id"] for a in data["agents"]] == ["stage-0", "stage-1", "coordinator"]
