@@ -45,7 +45,8 @@ def access_rules(plant: Plant) -> dict[str, Access]:
             write=_unique([*(topics.activations(t) for t in _act_targets(plant, stage.node)),
                            topics.status(stage.node), topics.events]))
     rules[coordinator] = Access(
-        read=(topics.request_filter, topics.status_filter, topics.activations(coordinator)),
+        read=(topics.request_filter, topics.cancel_filter, topics.status_filter,
+              topics.activations(coordinator)),
         # It sends RELEASE frames to every node of a route, so to every node.
         write=(*(topics.activations(s.node) for s in plant.stages), f"{root}/llm/response/#",
                topics.status(coordinator), topics.events, topics.plan))
@@ -55,7 +56,7 @@ def access_rules(plant: Plant) -> dict[str, Access]:
             # The coordinator's status tells a gateway whether a request will be served
             # (`edgebus ask` waits for it); it holds nothing a gateway could misuse.
             read=(topics.response_filter(gateway), topics.status(coordinator)),
-            write=(topics.request(gateway),))
+            write=(topics.request(gateway), topics.cancel(gateway)))
     for ops in security.ops if security else []:
         rules[ops] = Access(read=(f"{root}/status/#", topics.events, topics.plan), write=())
     for name in plant.brokers:

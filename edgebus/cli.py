@@ -212,12 +212,16 @@ def _ask(args: argparse.Namespace) -> None:
     from plant_config import load_plant
 
     plant = load_plant(args.plant)
-    request = GenerateRequest(
-        id=secrets.token_hex(6),
-        prompt=args.text if args.raw else None,
-        messages=None if args.raw else [ChatMessage(role="user", content=args.text)],
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        stream=args.stream)
+    if (args.text is None) == (args.task is None):
+        raise EdgebusError("give the TEXT to ask, or --task NAME with --var NAME=VALUE each")
+    knobs = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    request = GenerateRequest.model_validate({
+        "id": secrets.token_hex(6), "seed": args.seed, "stream": args.stream,
+        # Unset knobs stay unset, so a task's own defaults apply.
+        **{key: value for key, value in knobs.items() if value is not None},
+        **({"task": args.task, "vars": task_vars(plant, args.task, args.var)} if args.task
+           else {"prompt": args.text} if args.raw
+           else {"messages": [ChatMessage(role="user", content=args.text)]})})
 
     def show(delta: str) -> None:
         print(delta, end="", flush=True)
@@ -232,6 +236,24 @@ def _ask(args: argparse.Namespace) -> None:
         print()
     else:
         print(response.text)
+
+
+def task_vars(plant: Plant, task: str, pairs: list[str]) -> dict[str, str | int | float | bool]:
+    """`--var NAME=VALUE` pairs, typed as the plant's template of `task` declares them."""
+    declared = plant.tasks[task].vars if task in plant.tasks else {}
+    out: dict[str, str | int | float | bool] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep:
+            raise EdgebusError(f"--var {pair!r}: write NAME=VALUE")
+        kind = declared.get(name, "str")
+        try:
+            out[name] = (int(text) if kind == "int" else float(text) if kind == "float"
+                         else {"true": True, "false": False}[text.lower()] if kind == "bool"
+                         else text)
+        except (ValueError, KeyError):
+            raise EdgebusError(f"--var {pair!r}: {name} is {kind} in task {task!r}") from None
+    return out
 
 
 def _import_gguf(args: argparse.Namespace) -> None:
@@ -346,9 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ask", help="send one request and print the answer")
     p.add_argument("plant")
-    p.add_argument("text")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("text", nargs="?")
+    p.add_argument("--task", metavar="NAME", help="ask a task template of the plant file "
+                   "instead of TEXT, filled in with --var")
+    p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable of --task (repeat for each)")
+    p.add_argument("--max-tokens", type=int, help="default 128, or the task's")
+    p.add_argument("--temperature", type=float, help="default 0, or the task's")
     p.add_argument("--seed", type=int)
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")

@@ -23,6 +23,11 @@ MAX_REQUEST_BYTES = 256 * 1024
 # The contract says request ids are <= 64 chars: they become a topic level.
 MAX_ID_CHARS = 64
 MAX_STOP_STRINGS = 16
+# A task's variables are a PLC's tag values: a handful, never a table.
+MAX_TASK_VARS = 64
+
+# A task variable's value, as JSON gives it (plant_config/tasks.py checks its declared type).
+VarValue = str | int | float | bool
 
 
 class _Strict(BaseModel):
@@ -38,6 +43,9 @@ class GenerateRequest(_Strict):
     id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    # A PLC task: a template of the plant file, filled in with `vars`.
+    task: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    vars: dict[str, VarValue] | None = Field(default=None, max_length=MAX_TASK_VARS)
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=10.0)
     top_k: int = Field(default=0, ge=0)
@@ -68,11 +76,21 @@ class GenerateRequest(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _prompt_xor_messages(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' (text used verbatim) "
-                             "or 'messages' (a chat, formatted with the model's chat template)")
+    def _one_kind_of_prompt(self) -> GenerateRequest:
+        given = [self.prompt, self.messages, self.task]
+        if sum(value is not None for value in given) != 1:
+            raise ValueError("give exactly one of 'prompt' (text used verbatim), 'messages' "
+                             "(a chat, formatted with the model's chat template) or 'task' "
+                             "(a template of the plant file, filled in with 'vars')")
+        if self.vars is not None and self.task is None:
+            raise ValueError("'vars' fill in a task's template: give 'task' with them")
         return self
+
+
+class CancelRequest(_Strict):
+    """Published to `{root}/llm/cancel/{client_id}`: end that client's request `id`."""
+
+    id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
 
 
 class ErrorInfo(BaseModel):

@@ -3,6 +3,7 @@
     {root}/llm/request/{client_id}            gateway -> coordinator (JSON, QoS 1)
     {root}/llm/response/{client_id}/{id}      coordinator -> gateway (JSON)
     {root}/llm/response/{client_id}/{id}/stream   per-token deltas
+    {root}/llm/cancel/{client_id}             gateway -> coordinator: end request {"id"}
     {root}/act/{node_id}                      binary activation frames into one agent
     {root}/status/{agent_id}                  retained JSON status, Last Will
     {root}/events                             joins, leaves, errors (JSON)
@@ -49,6 +50,19 @@ class Topics:
             return None
         client = topic[len(prefix):]
         return client if client and "/" not in client else None
+
+    def cancel(self, client_id: str) -> str:
+        return f"{self.root}/llm/cancel/{check_level(client_id, 'client id')}"
+
+    @property
+    def cancel_filter(self) -> str:
+        return f"{self.root}/llm/cancel/+"
+
+    def client_of_cancel_topic(self, topic: str) -> str | None:
+        """The client id in a cancel topic, or None if `topic` is not one."""
+        prefix = f"{self.root}/llm/cancel/"
+        client = topic.removeprefix(prefix)
+        return client if topic.startswith(prefix) and client and "/" not in client else None
 
     def response(self, client_id: str, request_id: str) -> str:
         return (f"{self.root}/llm/response/{check_level(client_id, 'client id')}/"

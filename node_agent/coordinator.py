@@ -62,6 +62,7 @@ from edgebus.errors import BusError, EdgebusError, RequestError
 from edgebus.frames import Frame, Header, Kind
 from edgebus.messages import (
     AgentStatus,
+    CancelRequest,
     ErrorInfo,
     GenerateRequest,
     GenerateResponse,
@@ -80,6 +81,7 @@ from node_agent.runtime import presence, publish_plan, run_agent, serve_until
 from node_agent.sampling import candidates_wanted, sample_token
 from node_agent.text import TextStream, decode, prompt_ids
 from plant_config import Plant
+from plant_config.tasks import apply_task
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,9 @@ class Generation:
     recoveries: int = 0  # replays for frames lost or bad (MAX_RECOVERIES)
     refusals: int = 0  # replays for frames refused by a full stage, since the last step
     refused_since: float | None = None  # time.monotonic() of the first of those
+    # By the gateway: ends before the next step. Not mid-step: frames of the step
+    # would still be on their way to stages that have already freed the request.
+    cancelled: bool = False
 
     def header(self) -> Header:
         return Header(self.seq, self.epoch, self.step, self.route)
@@ -257,6 +262,7 @@ class Coordinator:
         self._ready = asyncio.Event()  # every stage has a live node
         self._changed = asyncio.Event()  # replaced on every change of `health`
         self._active: dict[int, Generation] = {}
+        self._by_key: dict[tuple[str, str], Generation] = {}  # (client, id): for cancels
         self._answers: collections.OrderedDict[tuple[str, str], asyncio.Future[GenerateResponse]]
         self._answers = collections.OrderedDict()
         # Every task this agent starts: at most max_in_flight requests being served,
@@ -272,11 +278,13 @@ class Coordinator:
         self._resume = self.journal.open()  # what a previous run left unanswered
         self._peers: dict[str, Peer] = {}
         self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0,
-                         "recoveries": 0.0, "resumed": 0.0, "drained": 0.0}
+                         "recoveries": 0.0, "resumed": 0.0, "drained": 0.0, "cancelled": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(self.spec.id), f"{plant.plant_id}.{self.agent_id}",
+            # Cancels are not shared: every coordinator hears them, the one serving acts.
             subscriptions=[(self.request_filter, 1), (self.topics.status_filter, 1),
-                           (self.topics.activations(self.spec.id), 1)],
+                           (self.topics.activations(self.spec.id), 1),
+                           (self.topics.cancel_filter, 1)],
             presence=presence(self.topics, self.agent_id, "coordinator", metrics=lambda: {
                 **self.counters, "in_flight": float(len(self._active)),
                 "unsent": float(self.bus.unsent)}),
@@ -311,6 +319,8 @@ class Coordinator:
             self._on_result(payload)
         elif self.topics.client_of_request_topic(topic) is not None:
             self._on_request(message, self.bus)
+        elif (client := self.topics.client_of_cancel_topic(topic)) is not None:
+            self._on_cancel(client, payload)
         elif topic.startswith(self.topics.status_filter[:-1]):
             self._on_status(payload, retained=bool(message.retain))
 
@@ -326,6 +336,18 @@ class Coordinator:
             client, payload, getattr(properties, "ResponseTopic", None) if properties else None,
             getattr(properties, "CorrelationData", None) if properties else None, ack=ack))
         task.add_done_callback(functools.partial(_ack_on_failure, ack))
+
+    def _on_cancel(self, client: str, payload: bytes) -> None:
+        """End `client`'s request before its next step; its answer says `cancelled`.
+        A cancel for a request not in flight (answered, or never seen) has nothing to do."""
+        try:
+            rid = CancelRequest.model_validate_json(payload).id
+        except ValueError as exc:
+            self.reporter.report("error", f"bad cancel from {client}: {exc}")
+            return
+        gen = self._by_key.get((client, rid))
+        if gen is not None:
+            gen.cancelled = True
 
     def _on_result(self, payload: bytes) -> None:
         try:
@@ -519,7 +541,7 @@ class Coordinator:
         received = time.perf_counter()
         done: Callable[[], None] = ack if ack is not None else _nothing
         try:
-            request = parse_request(payload)
+            request = apply_task(parse_request(payload), self.plant.tasks)
         except RequestError as exc:
             rid = salvage_id(payload)
             self.reporter.report("error", f"bad request from {client}: {exc.message}", rid)
@@ -559,10 +581,14 @@ class Coordinator:
         if resumed:  # requests came in while the broker is still out of reach
             await self.bus.wait_connected()
         try:
-            response = await self._generate(request, reply, received, admitted, resumed=resumed)
+            response = await self._generate(request, reply, received, admitted, key,
+                                            resumed=resumed)
         except RequestError as exc:
-            self.reporter.report("error", f"request {request.id} from {client}: {exc.message}",
-                                 request.id)
+            if exc.code == "cancelled":  # the gateway's wish, not a fault
+                self.counters["cancelled"] += 1
+            else:
+                self.reporter.report("error", f"request {request.id} from {client}: "
+                                     f"{exc.message}", request.id)
             response = _error_response(request.id, exc)
         except Exception as exc:  # a bug must still answer the gateway, never leave it waiting
             log.exception("request %s from %s failed", request.id, client)
@@ -616,7 +642,7 @@ class Coordinator:
         return ReplyRoute(asked or own, correlation), None
 
     async def _generate(self, request: GenerateRequest, reply: ReplyRoute, received: float,
-                        admitted: Callable[[], Awaitable[None]], *,
+                        admitted: Callable[[], Awaitable[None]], key: tuple[str, str], *,
                         resumed: bool = False) -> GenerateResponse:
         """Check the request against the plant's limits, `await admitted()`, then generate.
 
@@ -637,6 +663,7 @@ class Coordinator:
         gen = Generation(request, reply, history=list(ids), max_len=len(ids) + request.max_tokens)
         self._check_fits(gen)
         self._active[gen.seq] = gen  # no await since the checks: the admission count holds
+        self._by_key[key] = gen
         rng = np.random.default_rng(request.seed if request.seed is not None
                                     else secrets.randbits(63))
         k = candidates_wanted(request.temperature, request.top_k, spec.candidates)
@@ -669,6 +696,7 @@ class Coordinator:
                 gen.step += 1
         finally:
             del self._active[gen.seq]
+            self._by_key.pop(key, None)
             self._unroute(gen)
             self.counters["tokens"] += len(tokens)
             self.counters["requests_done"] += 1
@@ -695,6 +723,9 @@ class Coordinator:
         """
         timeout = self.spec.request_timeout_s
         while True:
+            if gen.cancelled:
+                raise RequestError("cancelled", f"cancelled by the gateway after {gen.step} "
+                                   "tokens")
             if gen.lost is not None or not gen.route:
                 await self._route(gen)
             gen.result = asyncio.get_running_loop().create_future()

@@ -20,6 +20,7 @@ from edgebus.errors import PlantConfigError
 from plant_config.layout import even_split, fit_problems
 from plant_config.problems import Problem, Problems, from_validation_error, plant_error
 from plant_config.schema import RELATIVE_TO, BrokerSettings, Plant, WeightMode
+from plant_config.tasks import EXAMPLE_TASKS
 
 # Replica node name suffixes: a plant rarely runs more than two or three boxes per stage.
 _REPLICA_NAMES = "abcdefgh"
@@ -74,6 +75,8 @@ def write_plant(plant: Plant, path: str | os.PathLike[str]) -> None:
                             exclude={"broker": broker_fields_not_used,
                                      "brokers": line_broker_fields})
     data["model"] = _path_for_file(plant.model, home)
+    if not plant.tasks:
+        del data["tasks"]
     if plant.broker.ca_file is not None:
         data["broker"]["ca_file"] = _path_for_file(plant.broker.ca_file, home)
     if plant.broker.password is not None:
@@ -162,11 +165,16 @@ def with_security(plant: Plant, home: Path, *, gateways: Sequence[str] = DEFAULT
 
 
 def write_new_plant(plant: Plant, path: str | os.PathLike[str], *, force: bool = False) -> Plant:
-    """Write `plant` to `path` unless a file is there (or `force`); return it as agents load it."""
+    """Write `plant` to `path` unless a file is there (or `force`); return it as agents load it.
+
+    A plant without task templates gets the example one, so a new plant shows
+    how a PLC asks (docs/plant-file.md, "Task templates") and the Node-RED
+    flow in docs/examples answers out of the box.
+    """
     if Path(path).exists() and not force:
         raise PlantConfigError(f"{os.fspath(path)}: already exists — not overwriting it; "
                                "remove it first or use --force")
-    write_plant(plant, path)
+    write_plant(plant.model_copy(update={"tasks": plant.tasks or EXAMPLE_TASKS}), path)
     return load_plant(path)
 
 

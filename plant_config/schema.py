@@ -31,6 +31,7 @@ from edgebus.topics import Topics, check_level
 from plant_config.credentials import read_password
 from plant_config.layout import layout_problems
 from plant_config.problems import Problem, Problems
+from plant_config.tasks import TaskTemplate
 
 MqttProtocol = Literal["3.1.1", "5"]
 # How a stage keeps its weights: docs/weight-modes.md.
@@ -397,6 +398,8 @@ class Plant(_Section):
     # node with `broker: NAME` connects to that one.
     brokers: dict[str, BrokerSettings] = {}
     security: Security | None = None
+    # PLC task templates by name (plant_config/tasks.py): a PLC sends a name and tag values.
+    tasks: dict[str, TaskTemplate] = {}
 
     @field_validator("plant_id")
     @classmethod

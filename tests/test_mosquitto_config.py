@@ -69,7 +69,7 @@ def test_the_rules_give_each_identity_its_own_topics_only(tmp_path: Path) -> Non
                                        "edgebus/p/status/s0a", "edgebus/p/events"}
     assert set(rules["s1b"].write) == {act + "coordinator", "edgebus/p/status/s1b",
                                        "edgebus/p/events"}
-    assert rules["plc-1"].write == ("edgebus/p/llm/request/plc-1",)
+    assert rules["plc-1"].write == ("edgebus/p/llm/request/plc-1", "edgebus/p/llm/cancel/plc-1")
     assert rules["ops"].write == ()
     assert {act + n for n in ["s0a", "s0b", "s1a", "s1b"]} <= set(rules["coordinator"].write)
 
