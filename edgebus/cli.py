@@ -54,6 +54,12 @@ def _init(args: argparse.Namespace) -> None:
     print(f"security: every agent, gateway ({', '.join(security.gateways)}) and ops tool "
           f"({', '.join(security.ops)}) logs in as itself with its own password; the broker "
           "admits nobody else")
+    from edgebus.gateways.api_keys import ensure_api_keys, key_path
+
+    ensure_api_keys(security.credentials, security.api_keys)
+    print("`edgebus http` asks for an API key: "
+          + ", ".join(str(key_path(security.credentials, name)) for name in security.api_keys)
+          + " (docs/http.md)")
     if not plant.broker.embedded:
         print(f"the broker at {plant.broker.url} must check them: on its box run `edgebus "
               f"broker mosquitto-config {args.plant} OUTDIR` (docs/deploy.md, 'Securing the "
@@ -256,6 +262,17 @@ def task_vars(plant: Plant, task: str, pairs: list[str]) -> dict[str, str | int 
     return out
 
 
+def _http(args: argparse.Namespace) -> None:
+    from edgebus.gateways.http import HttpGateway
+    from node_agent.runtime import configure_logging
+    from plant_config import load_plant
+
+    configure_logging()
+    gateway = HttpGateway(load_plant(args.plant), listen=args.listen, client_id=args.client,
+                          timeout_s=args.timeout, max_in_flight=args.max_in_flight)
+    asyncio.run(gateway.serve())
+
+
 def _import_gguf(args: argparse.Namespace) -> None:
     from edgebus.model_import import import_gguf, import_summary
 
@@ -384,6 +401,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateway id to ask as (default: the plant's first security.gateways "
                         "entry, else a random one)")
     p.set_defaults(run=_ask)
+
+    p = sub.add_parser("http", help="serve the OpenAI HTTP API (chat, completions, models) "
+                                    "as a gateway of the plant")
+    p.add_argument("plant")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="address to serve on (default 127.0.0.1:8000; beyond the loopback "
+                        "only with security: on, which makes it ask for an API key)")
+    p.add_argument("--client", metavar="ID",
+                   help="gateway identity to ask as (default: http)")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="seconds without word from the plant before a request gets 504 "
+                        "(default: the coordinator's request_timeout_s + stage_wait_s)")
+    p.add_argument("--max-in-flight", type=int, metavar="N",
+                   help="requests in flight at once; more get 429 (default: the "
+                        "coordinator's max_in_flight)")
+    p.set_defaults(run=_http)
 
     p = sub.add_parser("model", help="model tools")
     model_sub = p.add_subparsers(dest="model_command", required=True, metavar="TOOL")

@@ -46,6 +46,10 @@ PASSWORD_FILE = "broker/passwd"
 # which `edgebus ask` uses, and the read-only ops identity of `edgebus status` and `up`.
 DEFAULT_GATEWAYS = ("plc-1",)
 DEFAULT_OPS = ("ops",)
+# The gateway identity of `edgebus http` (the OpenAI HTTP API), which `init`
+# adds to the gateways, and the name of the one API key it makes for it.
+DEFAULT_HTTP_GATEWAY = "http"
+DEFAULT_API_KEYS = ("http-1",)
 
 
 def load_plant(path: str | os.PathLike[str]) -> Plant:
@@ -142,8 +146,9 @@ def init_plant_file(path: str | os.PathLike[str], model_dir: str | os.PathLike[s
 
 def with_security(plant: Plant, home: Path, *, gateways: Sequence[str] = DEFAULT_GATEWAYS,
                   ops: Sequence[str] = DEFAULT_OPS) -> Plant:
-    """`plant` with a `security:` section: an identity per agent, per gateway and per ops tool,
-    their passwords in `home/credentials`, and (embedded broker) the hashes in `home/broker`.
+    """`plant` with a `security:` section: an identity per agent, per gateway (and `edgebus
+    http`'s) and per ops tool, their passwords in `home/credentials`, and (embedded broker) the
+    hashes in `home/broker`; and the name of one API key for `edgebus http`.
 
     A broker URL's shared user name and password are refused: every identity
     logs in as itself instead.
@@ -153,8 +158,9 @@ def with_security(plant: Plant, home: Path, *, gateways: Sequence[str] = DEFAULT
                                "agent would share; with security each identity logs in as "
                                "itself — remove user:password@ from the URL, or keep the shared "
                                "login without security (`edgebus init --insecure`)")
-    security = {"credentials": home / CREDENTIALS_DIR, "gateways": list(gateways),
-                "ops": list(ops),
+    security = {"credentials": home / CREDENTIALS_DIR,
+                "gateways": list(dict.fromkeys([*gateways, DEFAULT_HTTP_GATEWAY])),
+                "ops": list(ops), "api_keys": list(DEFAULT_API_KEYS),
                 "password_file": home / PASSWORD_FILE if plant.broker.embedded else None}
     data = plant.model_dump(exclude_unset=True)
     data["security"] = security

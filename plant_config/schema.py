@@ -327,6 +327,9 @@ class Security(_Section):
     credentials: ResolvedPath  # directory of <identity>.password files, mode 0600
     gateways: list[str] = []  # PLC/SCADA clients: request/<id> out, response/<id>/# in
     ops: list[str] = []  # read-only: status, events, plan (MQTT Explorer, `edgebus status`)
+    # Names of the HTTP gateway's API keys (`edgebus http`), each key in
+    # credentials/<name>.api-key, mode 0600 (edgebus/gateways/api_keys.py).
+    api_keys: list[str] = []
     # The broker's password file in mosquitto_passwd format: only the embedded
     # broker reads it (Mosquitto has password_file in its own config).
     password_file: ResolvedPath | None = None
@@ -338,6 +341,13 @@ class Security(_Section):
         for identity in ids:
             check_level(identity, "identity")
         return ids
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_key_names(cls, names: list[str]) -> list[str]:
+        for name in names:  # a file name: no "/" (what a topic level forbids is enough)
+            check_level(name, "API key name")
+        return names
 
 
 class CoordinatorSpec(_Section):

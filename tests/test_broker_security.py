@@ -335,7 +335,7 @@ async def test_a_fresh_init_and_up_admit_the_plants_identities_and_nobody_else(
     """The operator's path, nothing configured by hand: `init`, `up`, `ask`, `status`."""
     plant_path = init_plant(tmp_path, tiny_llama)
     plant = load_plant(plant_path)
-    assert plant.security is not None and plant.security.gateways == ["plc-1"]
+    assert plant.security is not None and plant.security.gateways == ["plc-1", "http"]
     with (tmp_path / "up.log").open("wb") as log:
         up = subprocess.Popen([sys.executable, "-m", "edgebus", "up", str(plant_path)],
                               stdout=log, stderr=subprocess.STDOUT)
