@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 from plant_config import Plant
 
+# Sparkplug B's topic namespace: spBv1.0/{group}/{message type}/{edge node}[/{device}].
+SPARKPLUG = "spBv1.0"
+
 
 @dataclass(frozen=True)
 class Access:
@@ -32,6 +35,20 @@ def _act_targets(plant: Plant, node: str) -> list[str]:
     downstream = stages[index + 1].node_ids if index + 1 < len(stages) else []
     # Every stage may send an ERROR frame to the coordinator; the last one sends candidates.
     return [*downstream, plant.coordinator.id]
+
+
+def _edge_nodes(access: Access, group: str, nodes: list[str], *,
+                devices: bool = False) -> Access:
+    """`access` plus the Sparkplug topics of edge nodes `nodes` (node_agent/sparkplug.py):
+    their births, data and deaths (the Will too), their devices' with `devices`, and the
+    commands a host application sends them."""
+    kinds = ["NBIRTH", "NDATA", "NDEATH"]
+    write = [f"{SPARKPLUG}/{group}/{kind}/{node}" for node in nodes for kind in kinds]
+    if devices:
+        write += [f"{SPARKPLUG}/{group}/{kind}/{node}/+" for node in nodes
+                  for kind in ("DBIRTH", "DDATA")]
+    return Access(read=(*access.read, *(f"{SPARKPLUG}/{group}/NCMD/{node}" for node in nodes)),
+                  write=(*access.write, *write))
 
 
 def access_rules(plant: Plant) -> dict[str, Access]:
@@ -57,8 +74,21 @@ def access_rules(plant: Plant) -> dict[str, Access]:
             # (`edgebus ask` waits for it); it holds nothing a gateway could misuse.
             read=(topics.response_filter(gateway), topics.status(coordinator)),
             write=(topics.request(gateway), topics.cancel(gateway)))
+    group = plant.ops.sparkplug.group if plant.ops and plant.ops.sparkplug else None
+    # With Sparkplug, an ops identity may also be a Sparkplug host application: it reads the
+    # group, asks nodes for a rebirth (NCMD; nothing else is honoured) and says whether it
+    # is online (STATE, its Will: a broker may refuse a connection whose Will it denies).
+    host_read = [f"{SPARKPLUG}/{group}/#"] if group else []
+    host_write = [f"{SPARKPLUG}/{group}/NCMD/+", f"{SPARKPLUG}/STATE/+"] if group else []
     for ops in security.ops if security else []:
-        rules[ops] = Access(read=(f"{root}/status/#", topics.events, topics.plan), write=())
+        rules[ops] = Access(read=(f"{root}/status/#", topics.events, topics.plan, *host_read),
+                            write=tuple(host_write))
+    if group is not None:
+        instances = [f"{coordinator}.{name}" for name in plant.coordinator.instances]
+        for stage in plant.stages:
+            rules[stage.node] = _edge_nodes(rules[stage.node], group, [stage.node])
+        rules[coordinator] = _edge_nodes(rules[coordinator], group, [coordinator, *instances],
+                                         devices=True)
     for name in plant.brokers:
         bridge = bridge_topics(plant, name)
         # Seen from the site broker: the bridge publishes what leaves the line
@@ -89,5 +119,9 @@ def bridge_topics(plant: Plant, name: str) -> BridgeTopics:
     outbound += [topics.status(node) for node in local]
     if local:
         outbound.append(topics.events)
-    return BridgeTopics(outbound=_unique(outbound),
-                        inbound=tuple(topics.activations(node) for node in local))
+    inbound = [topics.activations(node) for node in local]
+    if local and plant.ops and plant.ops.sparkplug:
+        edge = _edge_nodes(Access((), ()), plant.ops.sparkplug.group, local)
+        outbound += edge.write
+        inbound += edge.read
+    return BridgeTopics(outbound=_unique(outbound), inbound=tuple(inbound))

@@ -77,7 +77,7 @@ from node_agent.groups import Outbox
 from node_agent.journal import Entry, Journal, default_directory
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.reporter import Reporter
-from node_agent.runtime import presence, publish_plan, run_agent, serve_until
+from node_agent.runtime import presence, publish_plan, run_agent, serve_until, sparkplug_node
 from node_agent.sampling import candidates_wanted, sample_token
 from node_agent.text import TextStream, decode, prompt_ids
 from plant_config import Plant
@@ -301,6 +301,8 @@ class Coordinator:
         self._resume = []
         try:
             await serve_until(stop, self.bus, self._on_message, self._watch_heartbeats(),
+                              *sparkplug_node(self.plant, self.agent_id, self.bus,
+                                              identity=self.spec.id, health=self.health),
                               heartbeat_s=self.liveness.heartbeat_s)
         finally:
             for task in list(self._tasks):

@@ -9,16 +9,20 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from edgebus import sd_notify
 from edgebus.client import BusClient, Presence
+from edgebus.errors import EdgebusError
 from edgebus.messages import AgentStatus, Event, Plan, PlanStage
 from edgebus.topics import Topics
 from plant_config import Plant
+
+if TYPE_CHECKING:
+    from node_agent.sparkplug import Alive
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +59,23 @@ class StatusPayload:
     last_error: str | None = None
     last_error_ts: float | None = None
     _previous: tuple[float, dict[str, float]] | None = field(default=None, init=False)
+    # The last online status built: what the Sparkplug edge node reports (node_agent/sparkplug.py).
+    latest: AgentStatus | None = field(default=None, init=False)
 
     def __call__(self, state: Literal["online", "offline"], bdseq: int) -> bytes:
         now = time.monotonic()
         metrics = dict(self.metrics()) if self.metrics else {}  # a copy: rates are added
         if state == "online":  # a death (the Will is built at connect time) carries no rates
             metrics.update(self._rates(now, metrics))
-        return AgentStatus(state=state, role=self.role, agent_id=self.agent_id, stage=self.stage,
-                           layers=list(self.layers) if self.layers else None, pid=os.getpid(),
-                           host=socket.gethostname(), version=VERSION, bdseq=bdseq,
-                           rss_bytes=rss_bytes(), uptime_s=round(now - _STARTED, 1),
-                           last_error=self.last_error, last_error_ts=self.last_error_ts,
-                           metrics=metrics, engine=self.engine).model_dump_json().encode()
+        status = AgentStatus(state=state, role=self.role, agent_id=self.agent_id,
+                             stage=self.stage, layers=list(self.layers) if self.layers else None,
+                             pid=os.getpid(), host=socket.gethostname(), version=VERSION,
+                             bdseq=bdseq, rss_bytes=rss_bytes(),
+                             uptime_s=round(now - _STARTED, 1), last_error=self.last_error,
+                             last_error_ts=self.last_error_ts, metrics=metrics, engine=self.engine)
+        if state == "online":
+            self.latest = status
+        return status.model_dump_json().encode()
 
     def _rates(self, now: float, metrics: dict[str, float]) -> dict[str, float]:
         """RATES over the time since the previous online payload (none for the first)."""
@@ -94,6 +103,26 @@ def presence(topics: Topics, agent_id: str, role: Literal["stage", "coordinator"
     """Birth/death payloads for `{root}/status/{agent_id}`."""
     return Presence(topics.status(agent_id),
                     StatusPayload(agent_id, role, stage, layers, metrics, engine))
+
+
+def sparkplug_node(plant: Plant, agent_id: str, bus: BusClient, *, identity: str | None = None,
+                   health: Mapping[str, Alive] | None = None) -> list[Awaitable[None]]:
+    """This agent's Sparkplug B edge node (node_agent/sparkplug.py) as workers for
+    `serve_until`: none unless the plant file has `ops.sparkplug`. `identity`: whom it logs
+    in as (default: `agent_id`); `health`: the coordinator's stage nodes, for the plant device.
+    """
+    if plant.ops is None or plant.ops.sparkplug is None:
+        return []
+    try:
+        from node_agent.sparkplug import EdgeNode  # needs pysparkplug, installed on its own
+    except ModuleNotFoundError as exc:
+        if exc.name != "pysparkplug":
+            raise
+        raise EdgebusError(
+            "the plant file turns Sparkplug B on (ops.sparkplug), and pysparkplug is not "
+            "installed: run `pip install --no-deps pysparkplug==0.6.1` (docs/sparkplug.md says "
+            "why --no-deps), or remove ops.sparkplug") from None
+    return [EdgeNode(plant, agent_id, bus, identity=identity or agent_id, health=health).run()]
 
 
 async def publish_event(bus: BusClient, topics: Topics, event: Event) -> None:

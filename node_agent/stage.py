@@ -60,7 +60,7 @@ from node_agent.engines import StageEngine, load_engine
 from node_agent.kv_cache import KVCache, kv_bytes_per_token
 from node_agent.memory import return_freed_memory
 from node_agent.reporter import Reporter
-from node_agent.runtime import presence, run_agent, serve_until
+from node_agent.runtime import presence, run_agent, serve_until, sparkplug_node
 from node_agent.sampling import top_candidates
 from plant_config import Plant
 
@@ -200,6 +200,7 @@ class StageAgent:
     async def serve(self, stop: asyncio.Event) -> None:
         try:
             await serve_until(stop, self.bus, self._on_message, self._work(),
+                              *sparkplug_node(self.plant, self.node_id, self.bus),
                               heartbeat_s=self.plant.liveness.heartbeat_s)
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)

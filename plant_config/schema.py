@@ -385,6 +385,23 @@ class CoordinatorSpec(_Section):
         return names
 
 
+class Sparkplug(_Section):
+    """Sparkplug B: every agent is an edge node of `group` (docs/sparkplug.md)."""
+
+    group: str  # the Sparkplug group id: spBv1.0/{group}/NBIRTH/{agent id}
+
+    @field_validator("group")
+    @classmethod
+    def _check_group(cls, group: str) -> str:
+        return check_level(group, "Sparkplug group id")
+
+
+class Ops(_Section):
+    """What the plant tells operations tools beyond its own status topics."""
+
+    sparkplug: Sparkplug | None = None
+
+
 class Plant(_Section):
     """A whole plant file."""
 
@@ -408,6 +425,7 @@ class Plant(_Section):
     # node with `broker: NAME` connects to that one.
     brokers: dict[str, BrokerSettings] = {}
     security: Security | None = None
+    ops: Ops | None = None
     # PLC task templates by name (plant_config/tasks.py): a PLC sends a name and tag values.
     tasks: dict[str, TaskTemplate] = {}
 
