@@ -273,6 +273,15 @@ def _http(args: argparse.Namespace) -> None:
     asyncio.run(gateway.serve())
 
 
+def _rehearse(args: argparse.Namespace) -> None:
+    from edgebus.rehearse import Options, run_rehearse
+
+    options = Options(cpu_total=args.cpus, memory_scale=args.memory_scale,
+                      broker_box=args.broker_box, coordinator_box=args.coordinator_box)
+    sys.exit(run_rehearse(Path(args.plant), options, requests=args.requests, tokens=args.tokens,
+                          compare_even=args.compare_even, keep=args.keep))
+
+
 def _import_gguf(args: argparse.Namespace) -> None:
     from edgebus.model_import import import_gguf, import_summary
 
@@ -417,6 +426,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight at once; more get 429 (default: the "
                         "coordinator's max_in_flight)")
     p.set_defaults(run=_http)
+
+    p = sub.add_parser("rehearse", help="run the plant on this machine, each box a network "
+                                        "namespace with its CPU, memory and link (root)")
+    p.add_argument("plant")
+    p.add_argument("--cpus", type=float, metavar="CORES",
+                   help="cores all boxes share, split by speed (default 1.5, at most this "
+                        "machine's)")
+    p.add_argument("--memory-scale", type=float, default=1.0, metavar="X",
+                   help="multiply every box's memory_mb by X (default 1)")
+    p.add_argument("--broker-box", metavar="BOX",
+                   help="box the broker runs on (default: the box broker.url's host names, "
+                        "else the fastest)")
+    p.add_argument("--coordinator-box", metavar="BOX",
+                   help="box the coordinator runs on (default: the broker's)")
+    p.add_argument("--requests", type=int, metavar="N",
+                   help="concurrent requests (default 4 per stage: one batch per stage)")
+    p.add_argument("--tokens", type=int, default=48, help="tokens per request (default 48)")
+    p.add_argument("--compare-even", action="store_true",
+                   help="also rehearse an even split of the same boxes and compare")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the logs and plant copies (kept anyway after a failure)")
+    p.set_defaults(run=_rehearse)
 
     p = sub.add_parser("model", help="model tools")
     model_sub = p.add_subparsers(dest="model_command", required=True, metavar="TOOL")

@@ -276,6 +276,9 @@ class BoxSpec(_Section):
     # Compute relative to the machine `edgebus plan` profiles on; only the
     # ratios between boxes change the plan.
     speed: PositiveFloat = 1.0
+    # The box's network link in Mbit/s, for `edgebus rehearse` (docs/rehearse.md);
+    # None: as fast as the machine it is rehearsed on.
+    link_mbit: PositiveFloat | None = None
 
     @field_validator("name")
     @classmethod

@@ -1,0 +1,109 @@
+"""`edgebus rehearse PLANT.yaml`: a plant's boxes rehearsed on one machine.
+
+Each box of the plant file becomes a network namespace on a private bridge
+(`netns`), with a CPU quota in proportion to its `speed` and a memory limit
+from its `memory_mb` (`cgroups`, v1 or v2), and a link rate from its
+`link_mbit`. The broker and every agent run as real processes inside
+(`rehearsal`); a fixed workload is sent from outside (`workload`); and the
+table printed (`report`) sets what was measured beside what the planner's
+cost model predicts. docs/rehearse.md has the details and the fault tests
+that use the same machinery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from edgebus.rehearse.rehearsal import Options, Rehearsal
+from edgebus.rehearse.report import box_table, predict, summary
+from edgebus.rehearse.workload import (
+    ROWS_PER_GROUP,
+    Client,
+    Measurement,
+    Workload,
+    measure,
+    wait_online,
+)
+from plant_config import Plant, even_split, load_plant
+
+# Tokens of the warm-up request each rehearsal runs first: the first forward
+# passes of a fresh process pay for allocator growth and kernel choices.
+WARMUP_TOKENS = 8
+
+__all__ = ["Options", "Rehearsal", "Workload", "rehearse_plant", "run_rehearse"]
+
+
+def even_variant(plant: Plant) -> Plant:
+    """`plant` with its layers split evenly over its stages, replicas kept."""
+    ranges = even_split(plant.num_layers, len(plant.pipeline))
+    stages = [spec.model_copy(update={"layers": ranges[stage.index]})
+              for stage in plant.pipeline for spec in stage.nodes]
+    return plant.model_copy(update={"stages": stages})
+
+
+async def rehearse_plant(plant: Plant, workdir: Path, options: Options, workload: Workload,
+                         progress: Callable[[str], None]) -> tuple[Rehearsal, Measurement]:
+    """Build `plant`'s boxes, run `workload` once warm, tear down; the measurement."""
+    with Rehearsal(plant, workdir, options, progress=progress) as rehearsal:
+        started = time.time()
+        rehearsal.start()
+        async with Client(rehearsal.plant) as client:
+            progress("waiting for every agent to load its layers and come online")
+            await wait_online(rehearsal, client, since=started)
+            progress("warming up")
+            await measure(rehearsal, client, Workload(1, WARMUP_TOKENS), "warmup-")
+            progress(f"workload: {workload.requests} requests x {workload.tokens} tokens")
+            measured = await measure(rehearsal, client, workload, "r-")
+        progress("tearing down")
+    return rehearsal, measured
+
+
+def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, tokens: int,
+                 compare_even: bool, keep: bool) -> int:
+    """The `edgebus rehearse` command; its exit status."""
+    from node_agent.profile import model_costs
+
+    def progress(text: str) -> None:
+        print(text, flush=True)
+
+    plant = load_plant(plant_path)
+    progress(f"cost model of {plant.model.name} (profiles the model once if not cached)")
+    costs, _, _ = model_costs(plant.model)
+    groups = options.batch_groups or len(plant.pipeline)
+    workload = Workload(requests or ROWS_PER_GROUP * groups, tokens)
+    variants = [("plant file", plant)] + ([("even split", even_variant(plant))]
+                                          if compare_even else [])
+    workdir = Path(tempfile.mkdtemp(prefix="edgebus-rehearse-"))
+    results = []
+    ok = False
+    try:
+        for name, variant in variants:
+            progress(f"== {name}: " + ", ".join(f"{s.node} {list(s.layers)}"
+                                                for s in variant.stages))
+            rehearsal, measured = asyncio.run(rehearse_plant(
+                variant, workdir / name.replace(" ", "-"), options, workload, progress))
+            prediction = predict(rehearsal.plant, costs, rehearsal.shares, workload.requests,
+                                 groups)
+            results.append((name, measured, prediction))
+            print(f"\n{name}: broker and coordinator on {rehearsal.broker_box}"
+                  + (f" / {rehearsal.coordinator_box}"
+                     if rehearsal.coordinator_box != rehearsal.broker_box else ""))
+            print(box_table(rehearsal.plant, measured, prediction))
+            print(summary(rehearsal.plant, measured, prediction) + "\n")
+        if len(results) > 1:
+            (_, first, first_p), (_, second, second_p) = results
+            print(f"plant file against even split: measured "
+                  f"{first.decode_tok_s / second.decode_tok_s:.2f}x, predicted "
+                  f"{first_p.tok_s / second_p.tok_s:.2f}x")
+        ok = not any(measured.errors for _, measured, _ in results)
+    finally:
+        if keep or not ok:
+            print(f"logs and plant files kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if ok else 1

@@ -1,0 +1,243 @@
+"""The rehearsal's fixed workload, sent from the host namespace as a PLC gateway would send it,
+and what it measures: per request, per box and per link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import aiomqtt
+
+from edgebus.ask import default_client_id
+from edgebus.client import BusClient
+from edgebus.errors import EdgebusError
+from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
+from edgebus.rehearse.rehearsal import Rehearsal
+from plant_config import Plant
+
+# Short plant questions: the prompt is not the point, the decode loop is.
+PROMPTS = (
+    "The hydraulic press on line 3 reports a pressure drop. Likely causes are",
+    "Summarise the lockout-tagout procedure for a conveyor motor:",
+    "A PLC alarm says 'axis 2 following error'. What should the operator check?",
+    "List three ways to reduce compressed-air leaks in a plant:",
+)
+# Requests per group: oneDNN pads a decode batch of fewer rows to 4 (docs/architecture.md),
+# so 4 rows cost what one costs, and the coordinator opens a group for no fewer.
+ROWS_PER_GROUP = 4
+# Tokens per request: enough decode steps that the per-step times settle.
+DEFAULT_TOKENS = 48
+# Agents importing torch side by side, each on a fraction of a core, take a while.
+ONLINE_TIMEOUT_S = 300.0
+_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    tokens: int = DEFAULT_TOKENS
+    # Prompt text; None: the fixed PROMPTS in turn.
+    prompt: str | None = None
+
+    def batch(self, prefix: str) -> list[GenerateRequest]:
+        return [GenerateRequest(id=f"{prefix}{i}", prompt=self.prompt or PROMPTS[i % len(PROMPTS)],
+                                max_tokens=self.tokens, ignore_eos=True, stream=True)
+                for i in range(self.requests)]
+
+
+@dataclass
+class Observer:
+    """What the host namespace sees: agents' statuses, responses and stream deltas."""
+
+    plant: Plant
+    statuses: dict[str, AgentStatus] = field(default_factory=dict)
+    responses: dict[str, GenerateResponse] = field(default_factory=dict)
+    first_delta: dict[str, float] = field(default_factory=dict)
+    done: dict[str, float] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_message(self, message: aiomqtt.Message) -> None:
+        payload = message.payload if isinstance(message.payload, bytes) else b""
+        topic = message.topic.value
+        now = time.monotonic()
+        if topic.startswith(f"{self.plant.topic_root}/status/"):
+            status = AgentStatus.model_validate_json(payload)
+            self.statuses[status.agent_id] = status
+        elif topic.endswith("/stream"):
+            self.first_delta.setdefault(topic.split("/")[-2], now)
+        else:
+            response = GenerateResponse.model_validate_json(payload)
+            self.responses.setdefault(response.id, response)
+            self.done.setdefault(response.id, now)
+        self.changed.set()
+
+    async def until(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            self.changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EdgebusError(f"timed out after {timeout:.0f} s waiting for {what}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(remaining, 1.0))
+
+    def metric(self, agent: str, name: str) -> float:
+        status = self.statuses.get(agent)
+        return status.metrics.get(name, 0.0) if status is not None else 0.0
+
+
+class Client:
+    """The rehearsal's gateway (requests, responses) and ops view (statuses), in the host
+    namespace, over the bridge."""
+
+    def __init__(self, plant: Plant) -> None:
+        self.plant = plant
+        self.client_id = default_client_id(plant)
+        self.observer = Observer(plant)
+        topics = plant.topics
+        self.gateway = BusClient(plant.endpoint_for(self.client_id),
+                                 f"{plant.plant_id}.{self.client_id}",
+                                 subscriptions=[(topics.response_filter(self.client_id), 1)],
+                                 persistent=True)
+        self.ops = BusClient(plant.ops_endpoint(), f"{plant.plant_id}.rehearse-ops",
+                             subscriptions=[(topics.status_filter, 1)])
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Client:
+        self._tasks = [asyncio.create_task(bus.run(self.observer.on_message))
+                       for bus in (self.gateway, self.ops)]
+        await self.gateway.wait_connected(30)
+        await self.ops.wait_connected(30)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def send(self, batch: list[GenerateRequest]) -> None:
+        for request in batch:
+            await self.gateway.publish(self.plant.topics.request(self.client_id),
+                                       request.model_dump_json(exclude_none=True), qos=1)
+
+    async def until_answered(self, batch: list[GenerateRequest], timeout: float) -> None:
+        await self.observer.until(lambda: all(r.id in self.observer.responses for r in batch),
+                                  timeout, f"answers to {len(batch)} requests (got "
+                                  f"{sum(r.id in self.observer.responses for r in batch)})")
+
+
+async def wait_online(rehearsal: Rehearsal, client: Client, *, since: float = 0.0,
+                      timeout: float = ONLINE_TIMEOUT_S, agents: list[str] | None = None) -> None:
+    """Return once every agent (or those of `agents`) reports "online" from the process the
+    rehearsal started."""
+    plant = rehearsal.plant
+    if agents is None:
+        agents = [stage.node for stage in plant.stages] + [plant.coordinator.id]
+    deadline = time.monotonic() + timeout
+    reported: set[str] = set()
+    while True:
+        online = {a for a in agents if (s := client.observer.statuses.get(a)) is not None
+                  and s.state == "online" and s.pid == rehearsal.pid(a) and s.ts >= since}
+        for agent in sorted(online - reported):
+            rehearsal.progress(f"  {agent} online")
+        reported |= online
+        if online == set(agents):
+            return
+        dead = {name: code for name, code in rehearsal.dead().items()
+                if name in agents or name == "broker"}
+        if dead:
+            name, code = next(iter(dead.items()))
+            raise EdgebusError(f"{name} exited with code {code} before the plant came online:"
+                               f"\n{rehearsal.log_tail(name)}")
+        if time.monotonic() > deadline:
+            missing = ", ".join(sorted(set(agents) - online))
+            raise EdgebusError(f"not online after {timeout:.0f} s: {missing}")
+        await asyncio.sleep(_POLL_S)
+
+
+@dataclass(frozen=True)
+class BoxSample:
+    """A box's counters at one moment."""
+
+    cpu_s: float        # CPU its control group used
+    compute_s: float    # its stage's forward passes (status metric)
+    steps: float        # its stage's forward passes, counted
+    rows: float         # positions its stage has run
+    bytes_in: int       # over its link
+    bytes_out: int
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One workload on one rehearsal: per request and per box."""
+
+    requests: int
+    tokens: int                         # tokens answered, all requests together
+    wall_s: float                       # first request sent to last answer
+    ttft_s: list[float]                 # per request
+    decode_tok_s: float                 # all requests, counted per request from its first token
+    boxes: dict[str, tuple[BoxSample, BoxSample]]   # before, after
+    cpu_cores: dict[str, float]
+    errors: list[str]
+
+
+def sample(rehearsal: Rehearsal, client: Client) -> dict[str, BoxSample]:
+    result = {}
+    for share in rehearsal.shares:
+        box = share.box
+        bytes_in, bytes_out = rehearsal.network.links[box].counters()
+        result[box] = BoxSample(cpu_s=rehearsal.groups[box].cpu_usage_s(),
+                                compute_s=client.observer.metric(box, "compute_s"),
+                                steps=client.observer.metric(box, "steps"),
+                                rows=client.observer.metric(box, "rows"),
+                                bytes_in=bytes_in, bytes_out=bytes_out)
+    return result
+
+
+async def fresh_statuses(client: Client, agents: list[str], timeout: float) -> None:
+    """Wait until every agent in `agents` has published a status after now."""
+    since = time.time()
+    await client.observer.until(
+        lambda: all((s := client.observer.statuses.get(a)) is not None and s.ts > since
+                    for a in agents), timeout, "fresh statuses")
+
+
+async def measure(rehearsal: Rehearsal, client: Client, workload: Workload,
+                  prefix: str) -> Measurement:
+    """Send `workload` at once and measure it."""
+    stages = [stage.node for stage in rehearsal.plant.stages]
+    # Counters come with the heartbeat; wait for one after the last work so
+    # "before" holds everything done before this workload.
+    heartbeat = rehearsal.plant.liveness.heartbeat_s
+    await fresh_statuses(client, stages, heartbeat * 3)
+    before = sample(rehearsal, client)
+    batch = workload.batch(prefix)
+    sent = time.monotonic()
+    await client.send(batch)
+    await client.until_answered(batch, rehearsal.plant.coordinator.request_timeout_s * 2)
+    # CPU and bytes right at the end; the stages' own counters once they have reported them.
+    at_end = sample(rehearsal, client)
+    await fresh_statuses(client, stages, heartbeat * 3)
+    reported = sample(rehearsal, client)
+    after = {box: replace(at_end[box], compute_s=reported[box].compute_s,
+                          steps=reported[box].steps, rows=reported[box].rows)
+             for box in at_end}
+    observer = client.observer
+    responses = [observer.responses[r.id] for r in batch]
+    errors = [f"{r.id}: {r.error.code}: {r.error.message}" for r in responses
+              if r.error is not None]
+    decode = sum((len(r.tokens) - 1) / (observer.done[r.id] - observer.first_delta[r.id])
+                 for r in responses
+                 if r.error is None and len(r.tokens) > 1 and r.id in observer.first_delta)
+    return Measurement(
+        requests=len(batch), tokens=sum(len(r.tokens) for r in responses),
+        wall_s=max(observer.done[r.id] for r in batch) - sent,
+        ttft_s=[observer.first_delta[r.id] - sent for r in batch if r.id in observer.first_delta],
+        decode_tok_s=decode,
+        boxes={box: (before[box], after[box]) for box in before},
+        cpu_cores={share.box: share.cpu_cores for share in rehearsal.shares},
+        errors=errors)

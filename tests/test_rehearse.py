@@ -1,0 +1,82 @@
+"""`edgebus rehearse`'s sizing: each box's share of this machine, and where the broker goes.
+
+The rehearsal itself (namespaces, control groups, agents) is exercised by
+tests/test_rehearse_faults.py.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+
+from edgebus.errors import EdgebusError
+from edgebus.rehearse import even_variant, netns
+from edgebus.rehearse.sizing import box_shares, broker_box, coordinator_box
+from plant_config import BrokerSettings, Plant, StageSpec
+from plant_config.schema import BoxSpec
+
+
+def seed_plant(model: Path, url: str = "mqtt://jetson:1883") -> Plant:
+    boxes = [BoxSpec(name="pi-1", memory_mb=6144, speed=1.0),
+             BoxSpec(name="pi-2", memory_mb=6144, speed=1.0, link_mbit=20),
+             BoxSpec(name="jetson", memory_mb=6144, speed=3.0)]
+    return Plant(plant_id="p", topic_root="edgebus/p", broker=BrokerSettings(url=url),
+                 model=model, boxes=boxes,
+                 stages=[StageSpec(node="pi-1", layers=(0, 4)),
+                         StageSpec(node="pi-2", layers=(4, 8)),
+                         StageSpec(node="jetson", layers=(8, 30))])
+
+
+def test_cpu_goes_by_speed_and_memory_by_memory_mb(tmp_path: Path) -> None:
+    shares = {s.box: s for s in box_shares(seed_plant(tmp_path), cpu_total=1.5,
+                                           memory_scale=0.25)}
+    assert shares["pi-1"].cpu_cores == pytest.approx(0.3)
+    assert shares["jetson"].cpu_cores == pytest.approx(0.9)
+    assert shares["pi-1"].memory_bytes == 1536 << 20
+    assert shares["pi-2"].link_mbit == 20 and shares["pi-1"].link_mbit is None
+
+
+def test_more_cores_than_the_machine_has_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(EdgebusError, match="more than the"):
+        box_shares(seed_plant(tmp_path), cpu_total=10_000)
+
+
+def test_the_broker_runs_on_the_box_its_url_names(tmp_path: Path) -> None:
+    plant = seed_plant(tmp_path)
+    shares = box_shares(plant, cpu_total=1.0)
+    assert broker_box(plant, shares) == "jetson"
+    assert broker_box(plant, shares, "pi-1") == "pi-1"
+    assert coordinator_box(shares, "jetson") == "jetson"
+    # An address names no box: the fastest box takes it, as a plant would choose.
+    assert broker_box(seed_plant(tmp_path, "mqtt://192.0.2.7:1883"), shares) == "jetson"
+    with pytest.raises(EdgebusError, match="not a box of the plant"):
+        broker_box(seed_plant(tmp_path, "mqtt://scada-server:1883"), shares)
+    with pytest.raises(EdgebusError, match="--coordinator-box 'nas' is not a box"):
+        coordinator_box(shares, "jetson", "nas")
+
+
+def test_the_even_variant_keeps_boxes_and_splits_layers_evenly(tmp_path: Path) -> None:
+    even = even_variant(seed_plant(tmp_path))
+    assert [s.layers for s in even.stages] == [(0, 10), (10, 20), (20, 30)]
+    assert [s.node for s in even.stages] == ["pi-1", "pi-2", "jetson"]
+
+
+@pytest.mark.skipif(bool(netns.missing()), reason="; ".join(netns.missing()))
+def test_a_link_rate_changes_while_the_box_runs() -> None:
+    network = netns.Network(secrets.token_hex(3))
+    try:
+        network.create()
+        link = network.add_box("pi", None)
+        inside = ("ip", "netns", "exec", link.namespace)
+        for mbit in (20.0, 100.0):
+            network.set_rate("pi", mbit)
+            for shown in (netns.run("tc", "qdisc", "show", "dev", link.host_end),
+                          netns.run(*inside, "tc", "qdisc", "show", "dev", "eth0")):
+                assert f"rate {mbit:g}Mbit" in shown, shown
+        network.set_rate("pi", None)
+        assert "tbf" not in netns.run("tc", "qdisc", "show", "dev", link.host_end)
+        assert network.links["pi"].mbit is None
+    finally:
+        network.remove()
