@@ -357,3 +357,11 @@ def test_write_report_without_matplotlib_still_writes_the_markdown(
     assert plot is None
     assert result.settings.out.read_text(encoding="utf-8") == text
     assert "Skipped: matplotlib is not installed" in text
+
+
+def test_a_bench_rerun_keeps_the_rehearsal_sections() -> None:
+    previous = ("# Benchmarks\n\n## Targets\n\nold\n\n## Rehearsal: planned against equal split\n\n"
+                "| a |\n\n### detail\n\ntext\n\n## Plot\n\nold plot\n\n## Slow links\n\nlinks\n")
+    assert report.kept_sections(previous) == [
+        "## Rehearsal: planned against equal split\n\n| a |\n\n### detail\n\ntext",
+        "## Slow links\n\nlinks"]

@@ -655,6 +655,17 @@ def write_plot(result: BenchResult, path: Path) -> bool:
     return True
 
 
+# Sections of the report that `edgebus rehearse` runs made (root, namespaces,
+# minutes each), not the bench: a bench rerun keeps them as they are.
+REHEARSAL_HEADINGS = ("## Rehearsal", "## Slow links")
+
+
+def kept_sections(previous: str) -> list[str]:
+    """The rehearsal sections of a previous report, each up to the next `## ` heading."""
+    parts = re.split(r"(?m)^(?=## )", previous)
+    return [part.rstrip("\n") for part in parts if part.startswith(REHEARSAL_HEADINGS)]
+
+
 def write_report(result: BenchResult) -> tuple[str, Path | None]:
     """Write the markdown (and the PNG beside it, if possible); return the text and the PNG path."""
     out = result.settings.out
@@ -662,5 +673,7 @@ def write_report(result: BenchResult) -> tuple[str, Path | None]:
     png = out.with_suffix(".png")
     plot = png if write_plot(result, png) else None
     text = render_markdown(result, None if plot is None else plot.name)
+    if out.exists():
+        text += "".join(f"\n{section}\n" for section in kept_sections(out.read_text("utf-8")))
     out.write_text(text, encoding="utf-8")
     return text, plot
