@@ -32,6 +32,10 @@ PREFILL_POSITIONS = 128
 # `edgebus ask`'s default max_tokens. A short plant request (an alarm text
 # and a few sentences back) is mostly decode steps, which a plan must balance.
 REQUEST_TOKENS = 128
+# Rows of the decode batch the profile also times: the request group the
+# coordinator forms (node_agent/groups.py) when as many requests are in flight,
+# which is what `edgebus rehearse` drives (its workload's ROWS_PER_GROUP).
+BATCH_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,20 @@ class PartCost:
 
     prefill_ms: float  # PREFILL_POSITIONS positions of one request
     decode_ms: float   # one position of one request
+    batch_decode_ms: float  # one position of each of BATCH_ROWS requests, in one step
 
     @property
     def request_ms(self) -> float:
         """One request: a prefill chunk and REQUEST_TOKENS decode steps."""
         return self.prefill_ms + REQUEST_TOKENS * self.decode_ms
+
+
+@dataclass(frozen=True)
+class MessageCost:
+    """CPU one decode message of BATCH_ROWS rows costs on the profiling machine, on loopback."""
+
+    agent_ms: float   # the sending and the receiving agent together
+    broker_ms: float  # Mosquitto, routing it
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,8 @@ class ModelCosts:
     tied: bool
     # Resident memory of an agent process before it loads any weight.
     baseline_bytes: int
+    # None: not measured, Mosquitto was not installed where the model was profiled.
+    message: MessageCost | None = None
     packed_fp32: bool = False
 
     @property
@@ -93,6 +108,17 @@ class ModelCosts:
             total += self.embedding.request_ms
         if stop == self.num_layers:
             total += self.head.request_ms
+        return total / speed
+
+    def batch_step_ms(self, layers: LayerRange, speed: float) -> float:
+        """One decode step of BATCH_ROWS rows of a stage running `layers` on a box `speed`
+        times the profiler's."""
+        first, stop = layers
+        total = sum(cost.batch_decode_ms for cost in self.layers[first:stop])
+        if first == 0:
+            total += self.embedding.batch_decode_ms
+        if stop == self.num_layers:
+            total += self.head.batch_decode_ms
         return total / speed
 
     def weight_bytes(self, layers: LayerRange, mode: WeightMode) -> int:

@@ -41,13 +41,15 @@ from plant_config.schema import WeightMode
 def hand_costs(decode_ms: list[float], layer_mib: list[int], *, embedding_ms: float = 0.0,
                head_ms: float = 0.0, embedding_mib: int = 0, head_mib: int = 0,
                baseline_mib: int = 0, tied: bool = False) -> ModelCosts:
-    """A made-up model: decode cost only, bf16 half and int8 a quarter of the fp32 bytes."""
+    """A made-up model: decode cost only (a batch step costing a row's), bf16 half and int8
+    a quarter of the fp32 bytes."""
     def part_bytes(mib: int) -> PartBytes:
         return PartBytes(fp32=mib * MIB, bf16=mib * MIB // 2, int8=mib * MIB // 4,
                          int4=mib * MIB // 6)
 
-    return ModelCosts(layers=tuple(PartCost(0.0, ms) for ms in decode_ms),
-                      embedding=PartCost(0.0, embedding_ms), head=PartCost(0.0, head_ms),
+    return ModelCosts(layers=tuple(PartCost(0.0, ms, ms) for ms in decode_ms),
+                      embedding=PartCost(0.0, embedding_ms, embedding_ms),
+                      head=PartCost(0.0, head_ms, head_ms),
                       layer_bytes=tuple(part_bytes(mib) for mib in layer_mib),
                       embedding_bytes=part_bytes(embedding_mib), head_bytes=part_bytes(head_mib),
                       tied=tied, baseline_bytes=baseline_mib * MIB)
@@ -304,6 +306,12 @@ def test_profile_is_cached_next_to_the_model(tmp_path: Path, smollm2_dir: Path) 
     costs, measured, fresh = model_costs(model_dir)
     assert fresh and (model_dir / PROFILE_FILE).is_file()
     assert all(c.prefill_ms > 0 and c.decode_ms > 0 for c in [*costs.layers, costs.head])
+    # A batch step is timed on its own: its rows' caches are read one by one, so it costs
+    # more than one row's step.
+    assert sum(c.batch_decode_ms for c in costs.layers) > sum(c.decode_ms for c in costs.layers)
+    # Mosquitto is installed here, so a decode message's CPU was measured through it.
+    assert costs.message is not None
+    assert costs.message.agent_ms > 0 and costs.message.broker_ms > 0
     assert costs.baseline_bytes > 0
     again, cached, fresh = model_costs(model_dir)
     assert not fresh and cached == measured and again == costs

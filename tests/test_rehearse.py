@@ -1,4 +1,5 @@
-"""`edgebus rehearse`'s sizing: each box's share of this machine, and where the broker goes.
+"""`edgebus rehearse`'s sizing (each box's share of this machine, where the broker goes) and
+the prediction it prints beside what it measures.
 
 The rehearsal itself (namespaces, control groups, agents) is exercised by
 tests/test_rehearse_faults.py.
@@ -13,8 +14,11 @@ import pytest
 
 from edgebus.errors import EdgebusError
 from edgebus.rehearse import even_variant, netns
+from edgebus.rehearse.report import cycle_time, predict
 from edgebus.rehearse.sizing import box_shares, broker_box, coordinator_box
+from edgebus.rehearse.workload import ROWS_PER_GROUP
 from plant_config import BrokerSettings, Plant, StageSpec
+from plant_config.planner import BATCH_ROWS, MessageCost, ModelCosts, PartBytes, PartCost
 from plant_config.schema import BoxSpec
 
 
@@ -61,6 +65,53 @@ def test_the_even_variant_keeps_boxes_and_splits_layers_evenly(tmp_path: Path) -
     even = even_variant(seed_plant(tmp_path))
     assert [s.layers for s in even.stages] == [(0, 10), (10, 20), (20, 30)]
     assert [s.node for s in even.stages] == ["pi-1", "pi-2", "jetson"]
+
+
+def made_up_costs(message: MessageCost | None) -> ModelCosts:
+    """30 layers of 1 ms per batch step (a row's step is cheaper, and unused), a free
+    embedding and head."""
+    nothing = PartBytes(fp32=0, bf16=0, int8=0, int4=0)
+    return ModelCosts(layers=(PartCost(0.0, 0.5, 1.0),) * 30, embedding=PartCost(0.0, 0.0, 0.0),
+                      head=PartCost(0.0, 0.0, 0.0), layer_bytes=(nothing,) * 30,
+                      embedding_bytes=nothing, head_bytes=nothing, tied=False,
+                      baseline_bytes=0, message=message)
+
+
+def test_the_profile_times_the_batch_the_rehearsal_forms() -> None:
+    assert ROWS_PER_GROUP == BATCH_ROWS
+
+
+def test_the_prediction_counts_batch_steps_messages_and_each_boxs_cpu(tmp_path: Path) -> None:
+    plant = seed_plant(tmp_path)  # 4 / 4 / 22 layers on 0.3 / 0.3 / 0.9 cores
+    shares = box_shares(plant, cpu_total=1.5)
+    message = MessageCost(agent_ms=0.6, broker_ms=0.09)
+    one_group = predict(plant, made_up_costs(message), shares, 4, 1, "jetson", "jetson")
+    # Batch steps on the shares: 4 / 0.3, 4 / 0.3, 22 / 0.9.
+    assert one_group.step_ms == pytest.approx({"pi-1": 40 / 3, "pi-2": 40 / 3, "jetson": 220 / 9})
+    # One group goes around alone: every step, every agent's message in and out (the Jetson
+    # has its stage's and the coordinator's) and Mosquitto's four, each on its box's share.
+    messages = 0.6 / 0.3 + 0.6 / 0.3 + (0.6 + 0.6 + 4 * 0.09) / 0.9
+    assert one_group.tok_s == pytest.approx(4 * 1000 / (40 / 3 + 40 / 3 + 220 / 9 + messages))
+    assert one_group.hop_ms == pytest.approx(messages / 4)
+    # Three groups: faster than one, slower than the Jetson's CPU alone allows, and a hop
+    # now also waits behind the other groups.
+    three = predict(plant, made_up_costs(message), shares, 12, 3, "jetson", "jetson")
+    jetson_ms = (22 + 0.6 + 0.6 + 4 * 0.09) / 0.9
+    assert one_group.tok_s < three.tok_s < 12 * 1000 / (3 * jetson_ms)
+    assert three.hop_ms > one_group.hop_ms
+    # Without a measured message cost only the forward passes are predicted, and said to be.
+    unprofiled = predict(plant, made_up_costs(None), shares, 4, 1, "jetson", "jetson")
+    assert not unprofiled.hops_profiled and one_group.hops_profiled
+    assert unprofiled.tok_s == pytest.approx(4 * 1000 / (40 / 3 + 40 / 3 + 220 / 9))
+
+
+def test_cycle_time_is_exact_mean_value_analysis() -> None:
+    # K equal queues of service time d and N customers: (K + N - 1) d, the closed form.
+    for queues, customers in [(1, 1), (3, 1), (3, 3), (4, 7)]:
+        assert cycle_time([2.0] * queues, customers) == pytest.approx(
+            2.0 * (queues + customers - 1))
+    # Many customers: the slowest queue sets the pace, one customer each 5.
+    assert cycle_time([5.0, 1.0], 200) == pytest.approx(200 * 5.0, rel=0.01)
 
 
 @pytest.mark.skipif(bool(netns.missing()), reason="; ".join(netns.missing()))

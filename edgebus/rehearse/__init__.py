@@ -88,7 +88,7 @@ def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, to
             rehearsal, measured = asyncio.run(rehearse_plant(
                 variant, workdir / name.replace(" ", "-"), options, workload, progress))
             prediction = predict(rehearsal.plant, costs, rehearsal.shares, workload.requests,
-                                 groups)
+                                 groups, rehearsal.broker_box, rehearsal.coordinator_box)
             results.append((name, measured, prediction))
             print(f"\n{name}: broker and coordinator on {rehearsal.broker_box}"
                   + (f" / {rehearsal.coordinator_box}"

@@ -1,12 +1,25 @@
 """What a rehearsal prints: per box, measured beside what the planner's cost model predicts.
 
-The prediction takes the planner's profile (`edgebus plan`: each layer's
-decode time on one thread of the machine that profiled) and divides each
-stage's time by its box's CPU share here, as the planner divides by `speed`.
-The pipeline then runs `groups` request groups, each a batch of up to
-ROWS_PER_GROUP rows (which cost what one row costs). A group's step takes at
-least one trip through every stage, and the slowest stage serves every group
-in turn, so a group steps every max(sum of stages, groups x slowest stage).
+The prediction takes the planner's profile (`edgebus plan`, one thread of the
+machine that profiled) and divides each CPU cost by the CPU share of the box
+that pays it, as the planner divides by `speed`:
+
+- a stage's forward pass: the profiled decode step of BATCH_ROWS rows, the
+  batch the coordinator forms per request group;
+- a hop: the CPU of one decode message in the sending agent, in Mosquitto and
+  in the receiving agent (`MessageCost`), each on its own box's share.
+
+The pipeline runs `groups` request groups, each stepping around a loop of
+boxes (coordinator -> stages -> coordinator); each box serves one group at a
+time, for the CPU one group step costs it on its share (its stages' forward
+passes and messages; on their boxes, the coordinator's and Mosquitto's).
+That is a closed queueing network, and its cycle time comes from exact mean
+value analysis: with one group, the sum of the boxes' times; with more, each
+group also waits behind the others queued at a box, which on balanced boxes
+is most of what a hop takes (docs/rehearse.md, "What the prediction counts").
+Its service times are taken as exponential, the textbook case: on a CPU quota
+a step is cut into the quota's periods at varying points, and a message
+arrives at a varying point of the step before it.
 """
 
 from __future__ import annotations
@@ -17,19 +30,12 @@ from dataclasses import dataclass
 from edgebus.rehearse.sizing import BoxShare
 from edgebus.rehearse.workload import ROWS_PER_GROUP, Measurement
 from plant_config.layout import show
-from plant_config.planner import ModelCosts
+from plant_config.planner import MessageCost, ModelCosts
 from plant_config.schema import Plant
 
-
-def stage_decode_ms(costs: ModelCosts, layers: tuple[int, int]) -> float:
-    """One decode step of a stage running `layers`, on the profiling machine's one thread."""
-    first, stop = layers
-    total = sum(part.decode_ms for part in costs.layers[first:stop])
-    if first == 0:
-        total += costs.embedding.decode_ms
-    if stop == costs.num_layers:
-        total += costs.head.decode_ms
-    return total
+# A hop's CPU where the profile has none (no Mosquitto where it was measured):
+# the prediction then leaves hops out, and says so.
+_UNMEASURED = MessageCost(agent_ms=0.0, broker_ms=0.0)
 
 
 def groups_for(requests: int, batch_groups: int) -> int:
@@ -41,19 +47,46 @@ def groups_for(requests: int, batch_groups: int) -> int:
 @dataclass(frozen=True)
 class Prediction:
     step_ms: dict[str, float]   # per box: one decode step of its stage, on its CPU share
+    hop_ms: float               # a hop as hop_ms() measures one: the cycle less the steps
     tok_s: float                # all requests together
+    hops_profiled: bool         # whether the profile measured a message's CPU
 
 
 def predict(plant: Plant, costs: ModelCosts, shares: list[BoxShare], requests: int,
-            batch_groups: int) -> Prediction:
+            batch_groups: int, broker_box: str, coordinator_box: str) -> Prediction:
     cores = {share.box: share.cpu_cores for share in shares}
-    step = {spec.node: stage_decode_ms(costs, spec.layers) / cores[spec.node]
+    message = costs.message or _UNMEASURED
+    step = {spec.node: costs.batch_step_ms(spec.layers, cores[spec.node])
             for spec in plant.stages}
     # The first node of a stage serves it; standbys idle until a failover.
-    serving = [step[stage.node_ids[0]] for stage in plant.pipeline]
-    groups = groups_for(requests, batch_groups)
-    interval_ms = max(sum(serving), groups * max(serving))
-    return Prediction(step_ms=step, tok_s=requests * 1000 / interval_ms)
+    serving = [stage.node_ids[0] for stage in plant.pipeline]
+    # CPU ms (one core) each box spends per group step: every agent takes in one
+    # message and sends one, Mosquitto routes one per hop.
+    load = dict.fromkeys(cores, 0.0)
+    for node in serving:
+        load[node] += step[node] * cores[node] + message.agent_ms
+    load[coordinator_box] += message.agent_ms
+    hops = len(serving) + 1
+    load[broker_box] += hops * message.broker_ms
+    cycle_ms = cycle_time([load[box] / cores[box] for box in load if load[box]],
+                          groups_for(requests, batch_groups))
+    return Prediction(step_ms=step,
+                      hop_ms=(cycle_ms - sum(step[node] for node in serving)) / hops,
+                      tok_s=requests * 1000 / cycle_ms, hops_profiled=costs.message is not None)
+
+
+def cycle_time(demands_ms: list[float], customers: int) -> float:
+    """Time one of `customers` takes around a closed loop of single-server queues with these
+    mean service times: exact mean value analysis (Reiser and Lavenberg, 1980)."""
+    queued = [0.0] * len(demands_ms)
+    cycle = 0.0
+    for population in range(1, customers + 1):
+        # A customer arriving at a queue finds what the others keep there on average.
+        times = [demand * (1 + waiting) for demand, waiting in zip(demands_ms, queued,
+                                                                   strict=True)]
+        cycle = sum(times)
+        queued = [population * time / cycle for time in times]
+    return cycle
 
 
 def box_table(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
@@ -106,7 +139,10 @@ def summary(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
         f"max {max(measured.ttft_s):.2f} s",
         f"decode: measured {measured.decode_tok_s:.1f} tok/s, predicted "
         f"{prediction.tok_s:.1f} tok/s ({ratio:.0%} of the prediction)"
-        + (f"; {hops:.1f} ms per hop between stages" if hops is not None else "")]
+        + (f"; {hops:.1f} ms per hop between stages" if hops is not None else "")
+        + (f", predicted {prediction.hop_ms:.1f}" if prediction.hops_profiled else
+           ", not predicted: the profile has no message cost, Mosquitto was not installed "
+           "when it was measured (`edgebus plan --profile` measures again)")]
     lines += [f"error: {error}" for error in measured.errors]
     return "\n".join(lines)
 
