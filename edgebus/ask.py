@@ -64,8 +64,9 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
                 f"coordinator {plant.coordinator.id!r} is not online on {endpoint.host}:"
                 f"{endpoint.port} (no retained status at {status_topic}). Start the plant with "
                 "`edgebus up PLANT.yaml`.") from None
-        await bus.publish(topics.request(client_id), request.model_dump_json(exclude_unset=True, exclude_none=True),
-                          qos=1)
+        # Only the fields the caller set: a task's template supplies the rest.
+        payload = request.model_dump_json(exclude_unset=True, exclude_none=True)
+        await bus.publish(topics.request(client_id), payload, qos=1)
         timeout = timeout or plant.coordinator.request_timeout_s * 2
         try:
             return await asyncio.wait_for(done, timeout)
