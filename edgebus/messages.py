@@ -201,7 +201,7 @@ def parse_request(payload: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> Gene
     try:
         return GenerateRequest.model_validate(data)
     except ValidationError as exc:
-        raise RequestError("invalid_request", _describe(exc)) from None
+        raise RequestError("invalid_request", describe(exc)) from None
 
 
 def salvage_id(payload: bytes) -> str | None:
@@ -216,10 +216,12 @@ def salvage_id(payload: bytes) -> str | None:
     return None
 
 
-def _describe(exc: ValidationError) -> str:
+def describe(exc: ValidationError, whole: str = "request") -> str:
+    """A validation error as one message that says what to fix, field by field; `whole`
+    names the object itself where an error concerns no one field."""
     parts = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "request"
+        where = ".".join(str(p) for p in err["loc"]) or whole
         what = ("unknown field: remove it" if err["type"] == "extra_forbidden"
                 else err["msg"].removeprefix("Value error, "))
         parts.append(f"{where}: {what}")

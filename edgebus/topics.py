@@ -45,11 +45,7 @@ class Topics:
 
     def client_of_request_topic(self, topic: str) -> str | None:
         """The client id in a request topic, or None if `topic` is not one."""
-        prefix = f"{self.root}/llm/request/"
-        if not topic.startswith(prefix):
-            return None
-        client = topic[len(prefix):]
-        return client if client and "/" not in client else None
+        return self._client_of("request", topic)
 
     def cancel(self, client_id: str) -> str:
         return f"{self.root}/llm/cancel/{check_level(client_id, 'client id')}"
@@ -60,7 +56,10 @@ class Topics:
 
     def client_of_cancel_topic(self, topic: str) -> str | None:
         """The client id in a cancel topic, or None if `topic` is not one."""
-        prefix = f"{self.root}/llm/cancel/"
+        return self._client_of("cancel", topic)
+
+    def _client_of(self, kind: str, topic: str) -> str | None:
+        prefix = f"{self.root}/llm/{kind}/"
         client = topic.removeprefix(prefix)
         return client if topic.startswith(prefix) and client and "/" not in client else None
 

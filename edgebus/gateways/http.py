@@ -66,6 +66,7 @@ from edgebus.messages import (
     GenerateRequest,
     GenerateResponse,
     StreamDelta,
+    describe,
 )
 from plant_config import Plant
 from plant_config.loader import DEFAULT_HTTP_GATEWAY
@@ -309,22 +310,19 @@ async def _unless_gone(request: Request, work: Awaitable[Any]) -> Any:
     return job.result()
 
 
-def _describe(exc: ValidationError) -> tuple[str, str | None]:
-    """A validation error as one message that says what to fix, and the first field named."""
-    parts, params = [], []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"])
-        params.append(where or None)
-        parts.append(f"{where or 'body'}: {err['msg'].removeprefix('Value error, ')}")
-    return "; ".join(parts), params[0] if params else None
+def _invalid(exc: ValidationError) -> HttpError:
+    """A 400 that says what to fix, naming the first field (OpenAI's `param`)."""
+    errors = exc.errors()
+    first = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+    return HttpError(400, describe(exc, whole="body"), code="invalid_request",
+                     param=first or None)
 
 
 def _parse(model: type[_Model], body: bytes) -> _Model:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        message, param = _describe(exc)
-        raise HttpError(400, message, code="invalid_request", param=param) from None
+        raise _invalid(exc) from None
 
 
 def _usage(response: GenerateResponse) -> UsageOut:
@@ -426,8 +424,7 @@ def create_app(plant: Plant, gateway: Gateway, keys: ApiKeys) -> FastAPI:
         try:
             generate = asked.to_generate(rid)
         except ValidationError as exc:
-            message, param = _describe(exc)
-            raise HttpError(400, message, code="invalid_request", param=param) from None
+            raise _invalid(exc) from None
         shape = _Shape(chat, rid, model_name)
         pending = await gateway.submit(generate)
         try:
