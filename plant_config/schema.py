@@ -35,9 +35,10 @@ from plant_config.tasks import TaskTemplate
 
 MqttProtocol = Literal["3.1.1", "5"]
 # How a stage keeps its weights: docs/weight-modes.md.
-WeightMode = Literal["fp32", "bf16", "int8", "int4"]
+# gguf: the model's GGUF blocks as shipped (Q4_0, Q4_K_M, Q8_0, F16, ...), run by llama.cpp.
+WeightMode = Literal["fp32", "bf16", "int8", "int4", "gguf"]
 # What runs a stage's layers (node_agent/engines/); "auto" picks by weight mode.
-EngineName = Literal["auto", "torch", "onnxruntime"]
+EngineName = Literal["auto", "torch", "onnxruntime", "llamacpp"]
 # Where a stage computes. cuda: ONNX Runtime's CUDA execution provider.
 Device = Literal["cpu", "cuda"]
 # The weight modes each engine runs. torch has no 4-bit kernel worth running
@@ -45,6 +46,7 @@ Device = Literal["cpu", "cuda"]
 ENGINE_MODES: dict[str, tuple[WeightMode, ...]] = {
     "torch": ("fp32", "bf16", "int8"),
     "onnxruntime": ("fp32", "int8", "int4"),
+    "llamacpp": ("gguf",),
 }
 
 
@@ -58,6 +60,8 @@ def resolve_engine(engine: EngineName, weights: WeightMode) -> str:
     """
     if engine != "auto":
         return engine
+    if weights == "gguf":
+        return "llamacpp"
     return "torch" if weights in ("fp32", "bf16") else "onnxruntime"
 
 EMBEDDED = "embedded"

@@ -16,26 +16,39 @@ and fails over the same way whichever engine a node runs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
-from node_agent.engines.base import Kernels, StageEngine, StageSlice
+from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
 
-__all__ = ["StageEngine", "StageSlice", "load_engine"]
+__all__ = ["ContextShape", "StageEngine", "StageSlice", "load_engine"]
+
+# A node of the plant file's defaults: kv_budget_mb 512, max_prompt_tokens plus
+# max_tokens_limit, and prefill_chunk (plant_config/schema.py).
+DEFAULT_SHAPE = ContextShape(kv_budget_bytes=512 * 2**20, positions=5120, batch_positions=128)
 
 
 def load_engine(model_dir: Path, first: int, end: int, *, engine: EngineName = "auto",
                 weights: WeightMode = "fp32", device: Device = "cpu",
-                threads: int | None = None, tune: bool = False) -> StageEngine:
+                threads: int | None = None, tune: bool = False,
+                shape: ContextShape | None = None) -> StageEngine:
     """Layers [first, end) of the model in `model_dir`, loaded by the engine the plant names.
 
     `threads`: fixed by the plant (None: this process's torch threads, or measured).
     `tune`: time the kernel options on this box first (node_agent/engines/tuning.py);
     agents do, tests and tools that compare engines do not.
+    `shape`: what the node may hold, which llamacpp sizes its context by
+    (None: DEFAULT_SHAPE).
     """
     name = resolve_engine(engine, weights)
+    if name == "llamacpp":
+        from node_agent.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(model_dir, first, end, shape=shape or DEFAULT_SHAPE,
+                              threads=threads or os.cpu_count() or 1, device=device)
     if tune:
         from node_agent.engines import tuning
 

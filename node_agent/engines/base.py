@@ -2,7 +2,9 @@
 
 An engine runs one contiguous slice of the model: token ids or hidden states
 in, hidden states (or the last stage's logits) out, with each request's keys
-and values in a `KVCache` the agent hands it. `step` is the one entry point
+and values in a cache the engine makes (`new_cache`) and the agent hands back
+to every step: a `KVCache` of torch tensors, or a sequence of a llama.cpp
+context (llamacpp/engine.py), which holds the keys and values itself. `step` is the one entry point
 that matters: continuous batching calls it with decode rows of requests at
 different positions and a prompt chunk together (node_agent/ragged.py).
 
@@ -14,14 +16,44 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from edgebus.errors import CheckpointError
+from edgebus.errors import CheckpointError, EngineError
 from node_agent import packed as packed_linear
-from node_agent.kv_cache import KVCache
+from node_agent.kv_cache import KVCache, kv_bytes_per_token
+
+
+class Cache(Protocol):
+    """What the stage agent reads of a request's cache, whichever engine made it."""
+
+    epoch: int  # the route epoch it belongs to
+    touched: float  # time.monotonic() of its last forward pass
+    nbytes: int  # bytes of the positions it holds
+
+    def get_seq_length(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ContextShape:
+    """What the plant lets one node hold, for engines that size their memory up front
+    (llama.cpp's context).
+
+    kv_budget_bytes: the node's `kv_budget_mb`; positions: the most positions one
+    request can reach (prompt plus max_tokens); batch_positions: the most positions
+    one call carries (a prompt chunk, or a batch of decode rows).
+    """
+
+    kv_budget_bytes: int
+    positions: int
+    batch_positions: int
+
+
+class CacheFull(EngineError):
+    """The engine holds as many requests as it can; another must wait for one to end."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +113,18 @@ class StageEngine(ABC):
         its last position (None where logits[i] is False: a prompt chunk
         before the last, of which nothing is sampled).
         """
+
+    def new_cache(self, epoch: int) -> Cache:
+        """An empty cache for a request's route `epoch`, or CacheFull."""
+        return KVCache(epoch)
+
+    def free_cache(self, cache: Cache) -> None:
+        """The request of `cache` is over: give back what the engine holds for it. A
+        KVCache is plain memory, freed when the agent lets go of it."""
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one position adds to a request's cache on this stage."""
+        return kv_bytes_per_token(self.config, (self.slice.first, self.slice.end))
 
     @abstractmethod
     def describe(self) -> dict[str, str | int | float]:

@@ -1,0 +1,310 @@
+"""The llamacpp engine: a stage's layers run by llama.cpp from the GGUF's own blocks.
+
+A stage loads its stage GGUF (stage_gguf.py: layers [first, end) renumbered)
+into one llama.cpp context. Each request is a llama.cpp *sequence* of that
+context, so its keys and values live inside llama.cpp; `new_cache` hands out a
+sequence id and `free_cache` clears it (`llama_memory_seq_rm`).
+
+    first stage:  ids [T]     ─ llama_batch.token ─> layers ─ capture l_out-{n-1} ─> [T, H]
+    middle stage: h [T, H]    ─ llama_batch.embd  ─> layers ─ capture l_out-{n-1} ─> [T, H]
+    last stage:   h [T, H]    ─ llama_batch.embd  ─> layers ─ norm ─ LM head ───────> [V] per row
+
+The capture is a C eval callback (capture.c): it copies the last layer's
+output and stops the graph, so a stage that is not last never computes the
+final norm or the LM head.
+
+Exactness: the context keeps one KV stream per sequence (`kv_unified =
+false`), with which a row's result does not depend on the other rows of its
+batch, bit for bit. What does change results is how one sequence's positions
+are grouped into calls: k positions in one call are not bitwise equal to k
+one-position calls. So:
+- decode rows (one position each, of different requests) run as one call,
+  with their sequence ids ascending: llama.cpp's split keeps ascending,
+  consecutive ids in one micro-batch, and the rows in batch order;
+- a prompt chunk runs in a call of its own, all its positions at once, as the
+  whole model run in one process with the same chunks computes it. In one
+  call with decode rows, llama.cpp would split it anyway (one position beside
+  the decode rows, the rest after: llama-batch.cpp, split_equal), so the
+  separate call reads the weights no more often.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from transformers import AutoConfig
+
+from edgebus.errors import EngineError
+from node_agent.engines.base import CacheFull, ContextShape, StageEngine, StageSlice
+from node_agent.engines.llamacpp import library, stage_gguf
+from plant_config.schema import Device
+
+# The model's GGUF inside an imported model directory (edgebus/model_import.py).
+MODEL_GGUF = "model.gguf"
+# Bytes of one cached key or value number: llama.cpp's default KV type is f16.
+KV_ITEM_BYTES = 2
+# llama.cpp's own limit on sequences in one context (LLAMA_MAX_SEQ).
+MAX_SEQUENCES = 256
+# llama.cpp sizes a sequence's KV in multiples of this many positions.
+CONTEXT_PAD = 256
+# Flash attention off: the exactness tests and the batch invariance measured
+# with the prototype hold for llama.cpp's plain attention path.
+FLASH_ATTN = 0
+
+
+class SeqCache:
+    """One request's keys and values inside llama.cpp: a sequence id of the stage's context.
+    What the stage agent reads of it is what it reads of a KVCache."""
+
+    def __init__(self, seq_id: int, epoch: int, bytes_per_position: int) -> None:
+        self.seq_id = seq_id
+        self.epoch = epoch
+        self.touched = time.monotonic()
+        self.held = 0  # positions computed
+        self.nbytes = 0  # a plain int another thread may read (the status)
+        self._per_position = bytes_per_position
+
+    def get_seq_length(self) -> int:
+        return self.held
+
+    def advance(self, positions: int) -> None:
+        self.held += positions
+        self.nbytes = self.held * self._per_position
+
+
+class LlamaCppEngine(StageEngine):
+    """Layers [first, end) of the model in `model_dir`, run by llama.cpp."""
+
+    name = "llamacpp"
+
+    def __init__(self, model_dir: Path, first: int, end: int, *, shape: ContextShape,
+                 threads: int, device: Device = "cpu") -> None:
+        self._llama = lowlevel = library.llama()
+        self.config = AutoConfig.from_pretrained(model_dir)
+        self.slice = StageSlice(first, end, self.config.num_hidden_layers)
+        self.threads, self.device = threads, device
+        source = model_gguf(model_dir)
+        path = stage_gguf.stage_file(source, first, end,
+                                     library_version=library.library_version())
+        self._file_bytes = path.stat().st_size
+        params = lowlevel.llama_model_default_params()
+        # cuda: every layer on the GPU; llama.cpp keeps the rest on the CPU.
+        params.n_gpu_layers = 999 if device == "cuda" else 0
+        self._model = lowlevel.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise EngineError(f"llama.cpp could not load {path} (run with --log-level debug "
+                              "for its reasons)")
+        self.hidden = int(lowlevel.llama_model_n_embd(self._model))
+        self.vocab = int(lowlevel.llama_vocab_n_tokens(lowlevel.llama_model_get_vocab(
+            self._model)))
+        layers = int(lowlevel.llama_model_n_layer(self._model))
+        self.kv_per_position = self._kv_bytes_per_position(end - first)
+        per_sequence = -(-shape.positions // CONTEXT_PAD) * CONTEXT_PAD
+        self.max_sequences = min(MAX_SEQUENCES,
+                                 shape.kv_budget_bytes // (per_sequence * self.kv_per_position))
+        if self.max_sequences < 1:
+            need = per_sequence * self.kv_per_position / 2**20
+            raise EngineError(f"kv_budget_mb holds no request of {shape.positions} positions "
+                              f"on layers [{first}, {end}) ({need:.1f} MiB each): raise "
+                              "kv_budget_mb, or lower max_prompt_tokens or max_tokens_limit")
+        self._free = list(range(self.max_sequences - 1, -1, -1))  # pop() takes the lowest id
+        rows = shape.batch_positions
+        # One float32 row per position a call carries: the input of a stage after the first,
+        # and what the capture writes.
+        self._hidden_in = np.zeros((rows, self.hidden), dtype=np.float32)
+        self._hidden_out = np.zeros((rows, self.hidden), dtype=np.float32)
+        context = lowlevel.llama_context_default_params()
+        context.n_ctx = per_sequence * self.max_sequences
+        context.n_batch = context.n_ubatch = rows
+        context.n_seq_max = self.max_sequences
+        context.n_threads = context.n_threads_batch = threads
+        context.kv_unified = False
+        context.flash_attn_type = FLASH_ATTN
+        context.no_perf = True
+        self._capture = None
+        if not self.slice.has_head:
+            self._capture = library.new_capture(f"l_out-{layers - 1}",
+                                                self._hidden_out.ctypes.data,
+                                                self._hidden_out.nbytes)
+            context.cb_eval = library.callback_pointer()
+            context.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._capture),
+                                                    ctypes.c_void_p)
+        self._context = lowlevel.llama_init_from_model(self._model, context)
+        if not self._context:
+            raise EngineError(f"llama.cpp could not make a context of {context.n_ctx} "
+                              f"positions for {self.max_sequences} requests: lower kv_budget_mb")
+        self._memory = lowlevel.llama_get_memory(self._context)
+        self._batch = _Batch(lowlevel, rows)
+
+    @property
+    def param_bytes(self) -> int:
+        return self._file_bytes
+
+    def describe(self) -> dict[str, str | int | float]:
+        return {"engine": self.name, "weights": "gguf", "device": self.device,
+                "threads": self.threads, "tuned": self.tuned, "weight_bytes": self.param_bytes,
+                "sequences": self.max_sequences}
+
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_per_position
+
+    # -- requests' sequences ---------------------------------------------------
+
+    def new_cache(self, epoch: int) -> SeqCache:
+        if not self._free:
+            raise CacheFull(f"all {self.max_sequences} sequences of this node's llama.cpp "
+                            "context are taken")
+        return SeqCache(self._free.pop(), epoch, self.kv_per_position)
+
+    def free_cache(self, cache: object) -> None:
+        assert isinstance(cache, SeqCache)
+        self._llama.llama_memory_seq_rm(self._memory, cache.seq_id, -1, -1)
+        self._free.append(cache.seq_id)
+        self._free.sort(reverse=True)
+
+    # -- forward passes ------------------------------------------------------------
+
+    def step(self, xs: list[torch.Tensor], caches: Sequence[object], starts: list[int],
+             logits: list[bool] | None = None) -> list[torch.Tensor | None]:
+        seqs = [cache for cache in caches if isinstance(cache, SeqCache)]
+        if len(seqs) != len(xs):
+            raise EngineError("the llamacpp engine runs only caches it made (new_cache)")
+        wanted = logits if logits is not None else [True] * len(xs)
+        answer: list[torch.Tensor | None] = [None] * len(xs)
+        singles = sorted((i for i, x in enumerate(xs) if x.shape[1] == 1),
+                         key=lambda i: seqs[i].seq_id)
+        calls = [singles] if singles else []
+        calls += [[i] for i, x in enumerate(xs) if x.shape[1] > 1]
+        for rows in calls:
+            outputs = self._call([xs[i] for i in rows], [seqs[i] for i in rows],
+                                 [starts[i] for i in rows], [wanted[i] for i in rows])
+            for i, out in zip(rows, outputs, strict=True):
+                answer[i] = out
+        return answer
+
+    def _call(self, xs: list[torch.Tensor], seqs: list[SeqCache], starts: list[int],
+              wanted: list[bool]) -> list[torch.Tensor | None]:
+        """One llama_decode of these rows, in this order."""
+        lowlevel, batch = self._llama, self._batch
+        lengths = [x.shape[1] for x in xs]
+        total = sum(lengths)
+        if total > batch.capacity:
+            raise EngineError(f"{total} positions in one call, more than the context's "
+                              f"batch of {batch.capacity}")
+        for seq, start in zip(seqs, starts, strict=True):
+            if start != seq.held:
+                raise EngineError(f"sequence {seq.seq_id} holds {seq.held} positions, "
+                                  f"asked to go on at {start}")
+        last_rows = np.cumsum(lengths) - 1
+        batch.fill(starts, lengths, [s.seq_id for s in seqs])
+        if self.slice.has_embedding:
+            batch.tokens(torch.cat([x[0] for x in xs]).numpy())
+        else:
+            self._hidden_in[:total] = torch.cat([x[0] for x in xs]).numpy()
+            batch.embeddings(self._hidden_in)
+        if self.slice.has_head:
+            batch.outputs_at(total, [int(r) for r, w in zip(last_rows, wanted, strict=True) if w])
+        else:
+            batch.outputs_at(total, range(total))  # the capture needs every row
+            assert self._capture is not None
+            self._capture.off_bytes = 0
+        status = lowlevel.llama_decode(self._context, batch.batch)
+        if status != 0:
+            # The sequences' KV may now hold part of this call: the stage drops them.
+            raise EngineError(f"llama_decode returned {status}")
+        for seq, length in zip(seqs, lengths, strict=True):
+            seq.advance(length)
+            seq.touched = time.monotonic()
+        if not self.slice.has_head:
+            assert self._capture is not None
+            if self._capture.off_bytes != total * self.hidden * 4:
+                raise EngineError(f"captured {self._capture.off_bytes} bytes of hidden states, "
+                                  f"expected {total * self.hidden * 4}")
+            hidden = torch.from_numpy(self._hidden_out[:total].copy())
+            bounds = np.concatenate([[0], last_rows + 1])
+            return [hidden[a:b].unsqueeze(0) for a, b in zip(bounds[:-1], bounds[1:],
+                                                                strict=True)]
+        out: list[torch.Tensor | None] = []
+        for row, want in zip(last_rows, wanted, strict=True):
+            if not want:
+                out.append(None)
+                continue
+            pointer = lowlevel.llama_get_logits_ith(self._context, int(row))
+            out.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(self.vocab,))
+                                        .copy()).unsqueeze(0))
+        return out
+
+    def _kv_bytes_per_position(self, layers: int) -> int:
+        config = self.config
+        heads: int = config.num_attention_heads
+        if getattr(config, "kv_lora_rank", None):  # MLA: the latent and the rotary key
+            width = config.kv_lora_rank + config.qk_rope_head_dim
+        else:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            width = 2 * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+        return layers * width * KV_ITEM_BYTES
+
+    def close(self) -> None:
+        if self._context:
+            self._llama.llama_free(self._context)
+            self._context = None
+        if self._model:
+            self._llama.llama_model_free(self._model)
+            self._model = None
+
+
+class _Batch:
+    """A llama_batch over numpy arrays this object owns, reused for every call."""
+
+    def __init__(self, lowlevel: ModuleType, capacity: int) -> None:
+        self.capacity = capacity
+        self._tokens = np.zeros(capacity, dtype=np.int32)
+        self._positions = np.zeros(capacity, dtype=np.int32)
+        self._seq_counts = np.ones(capacity, dtype=np.int32)
+        self._seq_ids = np.zeros(capacity, dtype=np.int32)
+        self._outputs = np.zeros(capacity, dtype=np.int8)
+        int32_p = ctypes.POINTER(ctypes.c_int32)
+        self._seq_id_rows = (int32_p * capacity)(*[
+            ctypes.cast(self._seq_ids.ctypes.data + 4 * i, int32_p) for i in range(capacity)])
+        batch = self.batch = lowlevel.llama_batch()
+        batch.pos = self._positions.ctypes.data_as(int32_p)
+        batch.n_seq_id = self._seq_counts.ctypes.data_as(int32_p)
+        batch.seq_id = ctypes.cast(self._seq_id_rows, ctypes.POINTER(int32_p))
+        batch.logits = self._outputs.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, starts: list[int], lengths: list[int], seq_ids: list[int]) -> None:
+        at = 0
+        for start, length, seq_id in zip(starts, lengths, seq_ids, strict=True):
+            self._positions[at:at + length] = np.arange(start, start + length)
+            self._seq_ids[at:at + length] = seq_id
+            at += length
+        self.batch.n_tokens = at
+
+    def tokens(self, ids: npt.NDArray[np.int64]) -> None:
+        self._tokens[:len(ids)] = ids
+        self.batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.batch.embd = None
+
+    def embeddings(self, rows: npt.NDArray[np.float32]) -> None:
+        self.batch.token = None
+        self.batch.embd = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+    def outputs_at(self, total: int, rows: Sequence[int] | range) -> None:
+        self._outputs[:total] = 0
+        self._outputs[list(rows)] = 1
+
+
+def model_gguf(model_dir: Path) -> Path:
+    """The GGUF of an imported model directory."""
+    path = model_dir / MODEL_GGUF
+    if not path.is_file():
+        raise EngineError(f"{model_dir} holds no {MODEL_GGUF}, which the llamacpp engine runs: "
+                          "import the model with `edgebus model import-gguf FILE.gguf DIR`")
+    return path

@@ -1,0 +1,125 @@
+"""llama.cpp as this process sees it: llama-cpp-python's ctypes API, ggml, and our eval callback.
+
+Everything here happens once per process: loading the libraries, starting
+llama.cpp's backends, sending its log lines to Python's logging, and reading
+what the build can do. The engine (engine.py) only calls into what this hands it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from importlib.util import find_spec
+from pathlib import Path
+from types import ModuleType
+
+from edgebus.errors import EngineError
+
+log = logging.getLogger("llama.cpp")
+
+# The llama-cpp-python release this engine is written against. Its ctypes
+# structs (llama_context_params above all) change layout between releases, and
+# a mismatch reads garbage without an error, so another release is refused.
+PINNED = "0.3.36"
+CAPTURE_MODULE = "_capture"
+CAPTURE_SYMBOL = "edgebus_capture_cb"
+# GGML_LOG_LEVEL_ERROR in ggml.h's enum ggml_log_level.
+_ERROR = 4
+
+
+class Capture(ctypes.Structure):
+    """capture.c's `struct edgebus_capture`, field for field."""
+
+    _fields_ = [("target", ctypes.c_char * 64), ("get_name", ctypes.c_void_p),
+                ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
+                ("buf", ctypes.c_void_p), ("cap_bytes", ctypes.c_size_t),
+                ("off_bytes", ctypes.c_size_t)]
+
+
+@functools.cache
+def llama() -> ModuleType:
+    """llama-cpp-python's low-level module, its backends started, its log routed to ours."""
+    installed = library_version()
+    if installed != PINNED:
+        raise EngineError(f"the llamacpp engine needs llama-cpp-python {PINNED}, this box has "
+                          f"{installed}: pip install llama-cpp-python=={PINNED}")
+    try:
+        import llama_cpp.llama_cpp as lowlevel
+    except (OSError, RuntimeError) as exc:  # the shared library would not load
+        raise EngineError(f"llama-cpp-python is installed but its library does not load ({exc}): "
+                          f"reinstall it, `pip install --force-reinstall --no-cache-dir "
+                          f"llama-cpp-python=={PINNED}`") from exc
+    lowlevel.llama_log_set(_LOG_CALLBACK(lowlevel), None)
+    lowlevel.llama_backend_init()
+    return lowlevel
+
+
+def library_version() -> str:
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError:
+        raise EngineError(f"the llamacpp engine needs llama-cpp-python: pip install "
+                          f"llama-cpp-python=={PINNED}") from None
+
+
+def system_info() -> str:
+    """What the loaded llama.cpp was built for: 'CPU : SSE3 = 1 | AVX2 = 1 | ...'."""
+    return bytes(llama().llama_print_system_info()).decode(errors="replace").strip()
+
+
+@functools.cache
+def capture_callback() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """(capture library, libggml-base): the C eval callback, and the ggml it calls into."""
+    # Found, not imported: it is a plain C library that pip builds as an extension module.
+    spec = find_spec(f"{__package__}.{CAPTURE_MODULE}")
+    if spec is None or spec.origin is None:
+        raise EngineError("the llamacpp engine's eval callback was not built: reinstall edgebus "
+                          "(pip install -e . builds it, with the C compiler llama-cpp-python "
+                          "needs too)")
+    lib = ctypes.CDLL(spec.origin)
+    lowlevel = llama()
+    # The ggml that llama-cpp-python loaded: the same file, so dlopen hands back its handle.
+    libdir = Path(lowlevel.__file__).parent / "lib"
+    candidates = sorted(libdir.glob("libggml-base.*")) or sorted(libdir.glob("libggml.*"))
+    if not candidates:
+        raise EngineError(f"no libggml-base beside llama-cpp-python's library in {libdir}: "
+                          f"reinstall llama-cpp-python=={PINNED}")
+    return lib, ctypes.CDLL(str(candidates[0]))
+
+
+def new_capture(target: str, buffer_address: int, buffer_bytes: int) -> Capture:
+    """A capture of node `target` into the float32 buffer at `buffer_address`."""
+    _, ggml = capture_callback()
+    capture = Capture()
+    capture.target = target.encode()
+    for field, symbol in (("get_name", "ggml_get_name"), ("nbytes", "ggml_nbytes"),
+                          ("tensor_get", "ggml_backend_tensor_get")):
+        setattr(capture, field, ctypes.cast(getattr(ggml, symbol), ctypes.c_void_p).value)
+    capture.buf = buffer_address
+    capture.cap_bytes = buffer_bytes
+    return capture
+
+
+def callback_pointer() -> ctypes._CFuncPtr:
+    """The C callback as llama_context_params.cb_eval wants it."""
+    lib, _ = capture_callback()
+    lowlevel = llama()
+    return ctypes.cast(getattr(lib, CAPTURE_SYMBOL), lowlevel.ggml_backend_sched_eval_callback)
+
+
+def _LOG_CALLBACK(lowlevel: ModuleType) -> ctypes._CFuncPtr:
+    """llama.cpp's log lines into Python's logging: its errors as errors, the rest (hundreds
+    of lines a load) at debug level. Kept alive for the process, as llama.cpp keeps it."""
+
+    def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        log.log(logging.ERROR if level == _ERROR else logging.DEBUG,
+                bytes(text).decode(errors="replace").rstrip())
+
+    callback = lowlevel.llama_log_callback(forward)
+    _KEEP.append(callback)
+    return callback
+
+
+_KEEP: list[object] = []
