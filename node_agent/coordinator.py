@@ -73,9 +73,9 @@ from edgebus.messages import (
     salvage_id,
 )
 from edgebus.topics import check_level
+from node_agent.engines import kv_reservation
 from node_agent.groups import Outbox
 from node_agent.journal import Entry, Journal, default_directory
-from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, publish_plan, run_agent, serve_until, sparkplug_node
 from node_agent.sampling import candidates_wanted, sample_token
@@ -256,8 +256,7 @@ class Coordinator:
         self.limits = frames.coordinator_limits(vocab=config.vocab_size,
                                                 max_in_flight=self.spec.max_in_flight,
                                                 stages=len(self.pipeline))
-        self.kv_per_token = [kv_bytes_per_token(config, s.layers) for s in self.pipeline]
-        self.budget = {spec.node: spec.kv_budget_mb * 2**20 for spec in plant.stages}
+        self.kv = {spec.node: kv_reservation(plant, spec.node, config) for spec in plant.stages}
         self.health = {spec.node: NodeHealth() for spec in plant.stages}
         self._ready = asyncio.Event()  # every stage has a live node
         self._changed = asyncio.Event()  # replaced on every change of `health`
@@ -456,6 +455,10 @@ class Coordinator:
             self._ready.set()
         else:
             self._ready.clear()
+        self._wake_routes()
+
+    def _wake_routes(self) -> None:
+        """Requests waiting for a route look again: a node came or went, or KV room freed."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -799,30 +802,33 @@ class Coordinator:
 
     def _check_fits(self, gen: Generation) -> None:
         """Refuse a request no route has KV room for: too long for any node, or busy."""
-        for stage, per_token in zip(self.pipeline, self.kv_per_token, strict=True):
-            need = per_token * gen.max_len
-            budgets = [self.budget[n] for n in stage.node_ids]
-            if need > max(budgets):
-                raise RequestError("too_long", f"{gen.max_len} positions need {need / 2**20:.1f} "
-                                   f"MiB of KV cache on stage {stage.index}, more than its "
-                                   f"nodes' kv_budget_mb: lower max_tokens or the prompt")
-            if all(self.health[n].held + need > self.budget[n] for n in stage.node_ids):
+        for stage in self.pipeline:
+            needs = [self.kv[n].need(gen.max_len) for n in stage.node_ids]
+            if all(need > self.kv[n].budget for n, need in zip(stage.node_ids, needs,
+                                                                strict=True)):
+                raise RequestError("too_long", f"{gen.max_len} positions need "
+                                   f"{min(needs) / 2**20:.1f} MiB of KV cache on stage "
+                                   f"{stage.index}, more than its nodes' kv_budget_mb: lower "
+                                   "max_tokens or the prompt")
+            if all(self.health[n].held + need > self.kv[n].budget
+                   for n, need in zip(stage.node_ids, needs, strict=True)):
                 raise RequestError("busy", f"the KV budget of every node of stage "
                                    f"{stage.index} is taken by requests in flight: retry later")
 
     def _pick(self, gen: Generation) -> tuple[int, ...] | str:
         """The least loaded live route with KV room for `gen`, or why there is none."""
         route: list[int] = []
-        for stage, per_token in zip(self.pipeline, self.kv_per_token, strict=True):
-            need = per_token * gen.max_len
+        for stage in self.pipeline:
             live = [r for r, n in enumerate(stage.node_ids) if self.health[n].alive]
             if not live:
                 return (f"stage {stage.index} (layers {list(stage.layers)}) has no live node: "
-                        f"{', '.join(stage.node_ids)} offline")
-            room = [r for r in live if self.health[stage.node_ids[r]].held + need
-                    <= self.budget[stage.node_ids[r]]]
+                        f"{', '.join(stage.node_ids)} offline. Start a node of it (`edgebus "
+                        "node PLANT --id NODE`) or check its box")
+            room = [r for r in live if self.health[node := stage.node_ids[r]].held
+                    + self.kv[node].need(gen.max_len) <= self.kv[node].budget]
             if not room:
-                return f"the live nodes of stage {stage.index} have no KV budget left"
+                return (f"the live nodes of stage {stage.index} have no KV budget left: "
+                        "retry later, or raise their kv_budget_mb")
             route.append(min(room, key=lambda r: self.health[stage.node_ids[r]].held))
         return tuple(route)
 
@@ -836,13 +842,12 @@ class Coordinator:
             try:
                 await asyncio.wait_for(changed.wait(), deadline - time.monotonic())
             except TimeoutError:
-                raise RequestError("unavailable", f"{route} for "
-                                   f"{self.liveness.stage_wait_s:.0f} s. Start a node of it "
-                                   "(`edgebus node PLANT --id NODE`) or check its box") from None
+                raise RequestError("unavailable", f"waited {self.liveness.stage_wait_s:.0f} s: "
+                                   f"{route}") from None
         gen.route, gen.epoch, gen.synced, gen.lost = route, gen.epoch + 1, 0, None
         gen.nodes = [stage.nodes[r].node for stage, r in zip(self.pipeline, route, strict=True)]
-        for node_id, per_token in zip(gen.nodes, self.kv_per_token, strict=True):
-            self.health[node_id].held += per_token * gen.max_len
+        for node_id in gen.nodes:
+            self.health[node_id].held += self.kv[node_id].need(gen.max_len)
         if replay is not None:
             self.counters["failovers"] += 1
             self.reporter.report("warning", f"replaying {len(gen.history)} positions of "
@@ -855,10 +860,11 @@ class Coordinator:
         if not gen.route:
             return
         release = frames.encode_release(gen.header())
-        for node_id, per_token in zip(gen.nodes, self.kv_per_token, strict=True):
-            self.health[node_id].held -= per_token * gen.max_len
+        for node_id in gen.nodes:
+            self.health[node_id].held -= self.kv[node_id].need(gen.max_len)
             self._outbox.send(node_id, release)
         gen.route, gen.nodes = (), []
+        self._wake_routes()
 
     def _publish_frames(self, node_id: str, message: bytes) -> None:
         self.bus.send(self.topics.activations(node_id), message)

@@ -85,8 +85,10 @@ def _grown(old: torch.Tensor | None, like: torch.Tensor, held: int, end: int) ->
 KV_ITEM_BYTES = 4
 
 
-def kv_bytes_per_token(config: Any, layers: tuple[int, int]) -> int:
-    """Bytes one position adds to a request's cache on a stage running `layers`.
+def kv_bytes_per_token(config: Any, layers: tuple[int, int],
+                       item_bytes: int = KV_ITEM_BYTES) -> int:
+    """Bytes one position adds to a request's cache on a stage running `layers`, at
+    `item_bytes` a number (float32 here, f16 in llama.cpp).
 
     The coordinator reserves this times a request's longest length on every
     node of its route; a node refuses prefills past its budget.
@@ -98,4 +100,4 @@ def kv_bytes_per_token(config: Any, layers: tuple[int, int]) -> int:
     else:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         width = 2 * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    return (layers[1] - layers[0]) * width * KV_ITEM_BYTES
+    return (layers[1] - layers[0]) * width * item_bytes

@@ -56,7 +56,7 @@ from edgebus import frames
 from edgebus.client import BusClient
 from edgebus.errors import FrameError
 from edgebus.frames import Frame, Header, Kind, Peek
-from node_agent.engines import StageEngine, load_engine
+from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.engines.base import Cache, CacheFull
 from node_agent.memory import return_freed_memory
 from node_agent.reporter import Reporter
@@ -151,7 +151,7 @@ class StageAgent:
         self.topics = topics
         self.model = model if model is not None else load_engine(
             plant.model, *spec.layers, engine=spec.engine, weights=spec.weights,
-            device=spec.device)
+            device=spec.device, shape=context_shape(plant, node_id))
         self.coordinator_topic = topics.activations(plant.coordinator.id)
         self.wire_dtype = _WIRE_DTYPES[plant.wire_dtype]
         self.kv_budget = spec.kv_budget_mb * 2**20
@@ -554,7 +554,8 @@ def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:
         # Kernel options are measured on this box at the first start (engines/tuning.py).
         model = load_engine(plant.model, *spec.layers, engine=spec.engine,
                             weights=spec.weights, device=spec.device,
-                            threads=threads or spec.threads, tune=True)
+                            threads=threads or spec.threads, tune=True,
+                            shape=context_shape(plant, node_id))
         agent = StageAgent(plant, node_id, model=model)
         log.info("stage %s holds layers [%d, %d): %.1f MB of parameters, run by %s", node_id,
                  *spec.layers, agent.model.param_bytes / 1e6, agent.model.describe())

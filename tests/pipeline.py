@@ -29,8 +29,7 @@ from transformers import (
 from edgebus.ask import ask
 from edgebus.messages import GenerateRequest, GenerateResponse
 from node_agent.coordinator import Coordinator, prefill_chunks
-from node_agent.engines import StageEngine, load_engine
-from node_agent.kv_cache import KVCache
+from node_agent.engines import ContextShape, StageEngine, context_shape, load_engine
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
 from plant_config.schema import EngineName, WeightMode
@@ -54,8 +53,8 @@ def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int,
 
 @functools.cache
 def stage_model(model_dir: Path, first: int, end: int, weights: WeightMode = "fp32",
-                engine: EngineName = "auto") -> StageEngine:
-    return load_engine(model_dir, first, end, engine=engine, weights=weights)
+                engine: EngineName = "auto", shape: ContextShape | None = None) -> StageEngine:
+    return load_engine(model_dir, first, end, engine=engine, weights=weights, shape=shape)
 
 
 @functools.cache
@@ -68,7 +67,8 @@ async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
     """Start every agent of `plant` as a task; yield the stages once the pipeline is ready."""
     stop = asyncio.Event()
     stages = [StageAgent(plant, s.node,
-                         model=stage_model(plant.model, *s.layers, s.weights, s.engine))
+                         model=stage_model(plant.model, *s.layers, s.weights, s.engine,
+                                           context_shape(plant, s.node)))
               for s in plant.stages]
     coordinator = Coordinator(plant, tokenizer=tokenizer(plant.model))
     tasks = [asyncio.create_task(agent.serve(stop)) for agent in [*stages, coordinator]]
@@ -119,17 +119,21 @@ def _engine_tokens(model_dir: Path, ids: tuple[int, ...], max_new_tokens: int, i
                         weights, engine)
     eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     stop = set() if ignore_eos else set(eos) if isinstance(eos, list) else {eos}
-    cache, start = KVCache(), 0
-    for size in prefill_chunks(len(ids), chunk):  # the coordinator's chunks
-        logits = model.step([torch.tensor([ids[start:start + size]])], [cache], [start])[0]
-        start += size
-    out: list[int] = []
-    while True:
-        assert logits is not None
-        out.append(int(logits.argmax()))
-        if len(out) == max_new_tokens or out[-1] in stop:
-            return tuple(out)
-        logits = model.step([torch.tensor([[out[-1]]])], [cache], [len(ids) + len(out) - 1])[0]
+    cache, start = model.new_cache(0), 0
+    try:
+        for size in prefill_chunks(len(ids), chunk):  # the coordinator's chunks
+            logits = model.step([torch.tensor([ids[start:start + size]])], [cache], [start])[0]
+            start += size
+        out: list[int] = []
+        while True:
+            assert logits is not None
+            out.append(int(logits.argmax()))
+            if len(out) == max_new_tokens or out[-1] in stop:
+                return tuple(out)
+            logits = model.step([torch.tensor([[out[-1]]])], [cache],
+                                [len(ids) + len(out) - 1])[0]
+    finally:
+        model.free_cache(cache)
 
 
 def engine_tokens(model_dir: Path, request: GenerateRequest, engine: EngineName,

@@ -17,18 +17,62 @@ and fails over the same way whichever engine a node runs.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edgebus.frames import MAX_BATCH_ROWS
 from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
+from node_agent.kv_cache import kv_bytes_per_token
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
 
-__all__ = ["ContextShape", "StageEngine", "StageSlice", "load_engine"]
+if TYPE_CHECKING:
+    from plant_config import Plant
+
+__all__ = ["ContextShape", "KvReservation", "StageEngine", "StageSlice", "context_shape",
+           "kv_reservation", "load_engine"]
 
 # A node of the plant file's defaults: kv_budget_mb 512, max_prompt_tokens plus
 # max_tokens_limit, and prefill_chunk (plant_config/schema.py).
 DEFAULT_SHAPE = ContextShape(kv_budget_bytes=512 * 2**20, positions=5120, batch_positions=128)
+
+
+def context_shape(plant: Plant, node_id: str) -> ContextShape:
+    """What `node_id` may hold: its KV budget, a request's longest length, a call's most
+    positions (a prompt chunk, or a batch of decode rows)."""
+    coordinator = plant.coordinator
+    return ContextShape(
+        kv_budget_bytes=plant.node(node_id).kv_budget_mb * 2**20,
+        positions=coordinator.max_prompt_tokens + coordinator.max_tokens_limit,
+        batch_positions=max(coordinator.prefill_chunk, MAX_BATCH_ROWS))
+
+
+@dataclass(frozen=True)
+class KvReservation:
+    """What a request reserves of a node's KV budget, as the coordinator books it."""
+
+    per_position: int  # bytes per position of the request's longest length
+    per_request: int  # bytes whatever its length (llama.cpp's fixed share of its context)
+    budget: int  # bytes the node may book
+
+    def need(self, positions: int) -> int:
+        return self.per_request + self.per_position * positions
+
+
+def kv_reservation(plant: Plant, node_id: str, config: Any) -> KvReservation:
+    """How `node_id`'s engine spends its KV budget: by position (torch, onnxruntime), or
+    in equal shares made up front, one per request (llamacpp)."""
+    spec = plant.node(node_id)
+    if resolve_engine(spec.engine, spec.weights) != "llamacpp":
+        return KvReservation(kv_bytes_per_token(config, spec.layers), 0,
+                             spec.kv_budget_mb * 2**20)
+    from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
+
+    shape = context_shape(plant, node_id)
+    share = shape.sequence_positions * kv_bytes_per_token(config, spec.layers, KV_ITEM_BYTES)
+    return KvReservation(0, share, share * shape.sequences(share // shape.sequence_positions))
 
 
 def load_engine(model_dir: Path, first: int, end: int, *, engine: EngineName = "auto",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -37,19 +37,38 @@ class Cache(Protocol):
     def get_seq_length(self) -> int: ...
 
 
+# llama.cpp's own limit on sequences in one context (LLAMA_MAX_SEQ).
+MAX_SEQUENCES = 256
+# llama.cpp sizes a sequence's share of the context in multiples of this many positions.
+CONTEXT_PAD = 256
+
+
 @dataclass(frozen=True)
 class ContextShape:
-    """What the plant lets one node hold, for engines that size their memory up front
-    (llama.cpp's context).
+    """What the plant lets one node hold, for engines that size their memory up front.
 
     kv_budget_bytes: the node's `kv_budget_mb`; positions: the most positions one
     request can reach (prompt plus max_tokens); batch_positions: the most positions
     one call carries (a prompt chunk, or a batch of decode rows).
+
+    llama.cpp, with a KV stream per sequence, gives every sequence the same
+    share of its context, fixed when the context is made: a request reserves
+    `sequence_positions` however long it turns out, and the budget holds
+    `sequences(...)` requests.
     """
 
     kv_budget_bytes: int
     positions: int
     batch_positions: int
+
+    @property
+    def sequence_positions(self) -> int:
+        return -(-self.positions // CONTEXT_PAD) * CONTEXT_PAD
+
+    def sequences(self, bytes_per_position: int) -> int:
+        """Requests the budget holds at once, each with room for `positions`."""
+        return min(MAX_SEQUENCES,
+                   self.kv_budget_bytes // (self.sequence_positions * bytes_per_position))
 
 
 class CacheFull(EngineError):
@@ -103,12 +122,13 @@ class StageEngine(ABC):
         """Bytes of weights this stage holds, in its weight mode."""
 
     @abstractmethod
-    def step(self, xs: list[torch.Tensor], caches: list[KVCache], starts: list[int],
+    def step(self, xs: list[torch.Tensor], caches: list[Any], starts: list[int],
              logits: list[bool] | None = None) -> list[torch.Tensor | None]:
         """New positions of several requests as one forward pass.
 
         xs[i]: [1, T_i] ids (first stage) or [1, T_i, H]: request i's positions
-        [starts[i], starts[i] + T_i) with history caches[i]. Returns per request
+        [starts[i], starts[i] + T_i) with history caches[i] (a cache of this engine's
+        `new_cache`; typed Any so each engine names its own cache class). Returns per request
         [1, T_i, H] hidden states, or on the last stage [1, V] fp32 logits of
         its last position (None where logits[i] is False: a prompt chunk
         before the last, of which nothing is sampled).
@@ -118,7 +138,7 @@ class StageEngine(ABC):
         """An empty cache for a request's route `epoch`, or CacheFull."""
         return KVCache(epoch)
 
-    def free_cache(self, cache: Cache) -> None:
+    def free_cache(self, cache: Cache) -> None:  # noqa: B027 (a KVCache needs nothing)
         """The request of `cache` is over: give back what the engine holds for it. A
         KVCache is plain memory, freed when the agent lets go of it."""
 

@@ -31,10 +31,12 @@ one-position calls. So:
 from __future__ import annotations
 
 import ctypes
+import itertools
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,16 +46,13 @@ from transformers import AutoConfig
 from edgebus.errors import EngineError
 from node_agent.engines.base import CacheFull, ContextShape, StageEngine, StageSlice
 from node_agent.engines.llamacpp import library, stage_gguf
+from node_agent.kv_cache import kv_bytes_per_token
 from plant_config.schema import Device
 
 # The model's GGUF inside an imported model directory (edgebus/model_import.py).
 MODEL_GGUF = "model.gguf"
 # Bytes of one cached key or value number: llama.cpp's default KV type is f16.
 KV_ITEM_BYTES = 2
-# llama.cpp's own limit on sequences in one context (LLAMA_MAX_SEQ).
-MAX_SEQUENCES = 256
-# llama.cpp sizes a sequence's KV in multiples of this many positions.
-CONTEXT_PAD = 256
 # Flash attention off: the exactness tests and the batch invariance measured
 # with the prototype hold for llama.cpp's plain attention path.
 FLASH_ATTN = 0
@@ -105,10 +104,9 @@ class LlamaCppEngine(StageEngine):
         self.vocab = int(lowlevel.llama_vocab_n_tokens(lowlevel.llama_model_get_vocab(
             self._model)))
         layers = int(lowlevel.llama_model_n_layer(self._model))
-        self.kv_per_position = self._kv_bytes_per_position(end - first)
-        per_sequence = -(-shape.positions // CONTEXT_PAD) * CONTEXT_PAD
-        self.max_sequences = min(MAX_SEQUENCES,
-                                 shape.kv_budget_bytes // (per_sequence * self.kv_per_position))
+        self.kv_per_position = kv_bytes_per_token(self.config, (first, end), KV_ITEM_BYTES)
+        per_sequence = shape.sequence_positions
+        self.max_sequences = shape.sequences(self.kv_per_position)
         if self.max_sequences < 1:
             need = per_sequence * self.kv_per_position / 2**20
             raise EngineError(f"kv_budget_mb holds no request of {shape.positions} positions "
@@ -163,7 +161,7 @@ class LlamaCppEngine(StageEngine):
                             "context are taken")
         return SeqCache(self._free.pop(), epoch, self.kv_per_position)
 
-    def free_cache(self, cache: object) -> None:
+    def free_cache(self, cache: Any) -> None:
         assert isinstance(cache, SeqCache)
         self._llama.llama_memory_seq_rm(self._memory, cache.seq_id, -1, -1)
         self._free.append(cache.seq_id)
@@ -171,7 +169,7 @@ class LlamaCppEngine(StageEngine):
 
     # -- forward passes ------------------------------------------------------------
 
-    def step(self, xs: list[torch.Tensor], caches: Sequence[object], starts: list[int],
+    def step(self, xs: list[torch.Tensor], caches: list[Any], starts: list[int],
              logits: list[bool] | None = None) -> list[torch.Tensor | None]:
         seqs = [cache for cache in caches if isinstance(cache, SeqCache)]
         if len(seqs) != len(xs):
@@ -229,8 +227,7 @@ class LlamaCppEngine(StageEngine):
                                   f"expected {total * self.hidden * 4}")
             hidden = torch.from_numpy(self._hidden_out[:total].copy())
             bounds = np.concatenate([[0], last_rows + 1])
-            return [hidden[a:b].unsqueeze(0) for a, b in zip(bounds[:-1], bounds[1:],
-                                                                strict=True)]
+            return [hidden[a:b].unsqueeze(0) for a, b in itertools.pairwise(bounds)]
         out: list[torch.Tensor | None] = []
         for row, want in zip(last_rows, wanted, strict=True):
             if not want:
@@ -240,16 +237,6 @@ class LlamaCppEngine(StageEngine):
             out.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(self.vocab,))
                                         .copy()).unsqueeze(0))
         return out
-
-    def _kv_bytes_per_position(self, layers: int) -> int:
-        config = self.config
-        heads: int = config.num_attention_heads
-        if getattr(config, "kv_lora_rank", None):  # MLA: the latent and the rotary key
-            width = config.kv_lora_rank + config.qk_rope_head_dim
-        else:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-            width = 2 * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-        return layers * width * KV_ITEM_BYTES
 
     def close(self) -> None:
         if self._context:

@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from edgebus.errors import EngineError
 
@@ -81,7 +82,7 @@ def capture_callback() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     lib = ctypes.CDLL(spec.origin)
     lowlevel = llama()
     # The ggml that llama-cpp-python loaded: the same file, so dlopen hands back its handle.
-    libdir = Path(lowlevel.__file__).parent / "lib"
+    libdir = Path(str(lowlevel.__file__)).parent / "lib"
     candidates = sorted(libdir.glob("libggml-base.*")) or sorted(libdir.glob("libggml.*"))
     if not candidates:
         raise EngineError(f"no libggml-base beside llama-cpp-python's library in {libdir}: "
@@ -102,14 +103,14 @@ def new_capture(target: str, buffer_address: int, buffer_bytes: int) -> Capture:
     return capture
 
 
-def callback_pointer() -> ctypes._CFuncPtr:
+def callback_pointer() -> Any:
     """The C callback as llama_context_params.cb_eval wants it."""
     lib, _ = capture_callback()
     lowlevel = llama()
     return ctypes.cast(getattr(lib, CAPTURE_SYMBOL), lowlevel.ggml_backend_sched_eval_callback)
 
 
-def _LOG_CALLBACK(lowlevel: ModuleType) -> ctypes._CFuncPtr:
+def _LOG_CALLBACK(lowlevel: ModuleType) -> Any:
     """llama.cpp's log lines into Python's logging: its errors as errors, the rest (hundreds
     of lines a load) at debug level. Kept alive for the process, as llama.cpp keeps it."""
 

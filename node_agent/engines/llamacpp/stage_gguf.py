@@ -176,8 +176,8 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str) -> None:
         elif middle and name in ("token_embd.weight", "output.weight"):
             data = data[:VOCAB_KEEP]  # rows are numpy's outermost axis
         kept.append((name, data, tensor.tensor_type))
-    for name, data, kind in kept:
-        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, kind)
+    for name, data, quant in kept:
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

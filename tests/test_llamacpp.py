@@ -1,0 +1,217 @@
+"""The llamacpp engine: a plant of llama.cpp stages answers what llama.cpp answers whole.
+
+The bar (docs/weight-modes.md#gguf): greedy tokens through any split, with
+concurrent requests and prompt chunks mixed into decode batches, equal the
+same GGUF run whole by llama.cpp in one process, one request at a time, with
+the prompt fed in the plant's chunks (`pipeline.engine_tokens`). That
+whole-model path is llama.cpp's own (no callback, no cut file), and one test
+holds it to llama-cpp-python's `Llama.generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from brokers import BrokerHandle
+from llama_cpp import Llama
+from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running, stage_model
+from test_pipeline import LONG_PROMPT, SMOLLM2_SPLITS
+
+from edgebus.ask import ask
+from edgebus.errors import EngineError
+from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
+from node_agent.engines import ContextShape, load_engine
+from node_agent.engines.base import CacheFull
+from node_agent.engines.llamacpp import library, stage_gguf
+from node_agent.engines.llamacpp.engine import MODEL_GGUF
+from plant_config import Plant
+
+SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
+MAX_TOKENS = 24
+# Each request books a llama.cpp sequence of prompt + max_tokens positions up front: with
+# these limits the default kv_budget_mb holds 17 requests of the whole model, not 4.
+LIMITS = {"max_prompt_tokens": 1024, "max_tokens_limit": 256}
+TOPICS = ["press 3", "the conveyor", "a hydraulic pump", "the paint line", "robot cell 2"]
+
+
+def requests() -> list[GenerateRequest]:
+    """Eight requests: a chat, a prompt long enough for three chunks, and six short ones."""
+    return [
+        GenerateRequest(id="chat", max_tokens=MAX_TOKENS, messages=[
+            ChatMessage(role="system", content="You are a maintenance assistant in a factory."),
+            ChatMessage(role="user", content="What does a PLC do?")]),
+        GenerateRequest(id="long", prompt=LONG_PROMPT, max_tokens=MAX_TOKENS),
+        GenerateRequest(id="eos", prompt="Say yes.", max_tokens=MAX_TOKENS),
+        *(GenerateRequest(id=f"short-{i}", prompt=f"The most common fault of {topic} is",
+                          max_tokens=MAX_TOKENS, ignore_eos=True)
+          for i, topic in enumerate(TOPICS)),
+    ]
+
+
+def reference(model_dir: Path, request: GenerateRequest) -> list[int]:
+    return engine_tokens(model_dir, request, "llamacpp", "gguf")
+
+
+async def _ask_staggered(plant: Plant, reqs: list[GenerateRequest]) -> list[GenerateResponse]:
+    """All in flight together, each arriving a little later than the one before: later
+    prompts land while earlier requests decode, so prompt chunks meet decode batches."""
+
+    async def later(i: int, request: GenerateRequest) -> GenerateResponse:
+        await asyncio.sleep(0.1 * i)
+        return await ask(plant, request, client_id=f"gw{i}")
+
+    return list(await asyncio.gather(*(later(i, r) for i, r in enumerate(reqs))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+async def test_every_split_answers_what_llamacpp_answers_whole(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle, split: list[tuple[int, int]]) -> None:
+    reqs = requests()
+    assert len(prompt_ids(smollm2_dir, reqs[1])) > 256  # three chunks: 64 + 128 + the rest
+    plant = plant_for(smollm2_dir, amqtt_broker, split, weights="gguf", **LIMITS)
+    async with running(plant) as stages:
+        responses = await _ask_staggered(plant, reqs)
+        for stage in stages:  # the sequences go back to llama.cpp once the requests end
+            await _until(lambda s=stage: not s.caches)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.error is None, response.error
+        assert response.tokens == reference(smollm2_dir, request), request.id
+    last = stages[-1]
+    assert last.metrics["rows"] > last.metrics["steps"]  # decode rows of requests batched
+    assert sum(s.metrics["mixed_steps"] for s in stages) > 0  # a prompt chunk met a batch
+    for stage in stages:
+        engine = stage.model
+        assert len(engine._free) == engine.max_sequences  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+async def test_three_stages_over_mosquitto(smollm2_dir: Path,
+                                           mosquitto_broker: BrokerHandle) -> None:
+    reqs = requests()[:4]
+    plant = plant_for(smollm2_dir, mosquitto_broker, SPLITS["3-stages"], weights="gguf",
+                      **LIMITS)
+    async with running(plant):
+        responses = await ask_all(plant, reqs)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.tokens == reference(smollm2_dir, request), request.id
+
+
+@pytest.mark.slow
+def test_the_whole_model_path_is_llama_cpp_pythons_own(smollm2_dir: Path) -> None:
+    """The reference above is llama.cpp's plain path: `Llama.generate`, greedy, agrees."""
+    request = GenerateRequest(id="r", prompt="The three most common causes of motor failure are",
+                              max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = prompt_ids(smollm2_dir, request)
+    llm = Llama(str(smollm2_dir / MODEL_GGUF), n_ctx=512, n_batch=128, n_threads=2,
+                flash_attn=False, verbose=False)
+    tokens = []
+    for token in llm.generate(ids, top_k=1, temp=0.0):
+        tokens.append(token)
+        if len(tokens) == MAX_TOKENS:
+            break
+    assert tokens == reference(smollm2_dir, request)
+
+
+def test_a_stage_file_holds_its_layers_only(smollm2_dir: Path) -> None:
+    source = smollm2_dir / MODEL_GGUF
+    version = library.library_version()
+    middle = stage_gguf.stage_file(source, 10, 20, library_version=version)
+    assert stage_gguf.stage_file(source, 10, 20, library_version=version) == middle  # cached
+    reader = gguf.GGUFReader(str(middle))
+    assert reader.fields["llama.block_count"].contents() == 10
+    assert reader.fields["tokenizer.ggml.model"].contents() == "none"  # no vocabulary
+    assert reader.fields[stage_gguf.RANGE_KEY].contents() == [10, 20]
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["token_embd.weight"].shape[-1] == stage_gguf.VOCAB_KEEP
+    assert not any(name.startswith("blk.10.") for name in tensors)
+    # The blocks are the source's bytes: layer 10 of the model is layer 0 of the stage.
+    whole = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
+    for suffix in ("attn_q.weight", "ffn_down.weight"):
+        kept, shipped = tensors[f"blk.0.{suffix}"], whole[f"blk.10.{suffix}"]
+        assert kept.tensor_type == shipped.tensor_type
+        assert bytes(kept.data) == bytes(shipped.data)
+    assert middle.stat().st_size < 0.4 * source.stat().st_size
+    assert stage_gguf.stage_file(source, 0, 30, library_version=version) == source
+
+
+def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_dir: Path) -> None:
+    """Three stages chained give the whole model's logits bit for bit, for a prompt chunk
+    and for decode rows of two requests batched in one call."""
+    whole = stage_model(smollm2_dir, 0, 30, "gguf")
+    chain = [stage_model(smollm2_dir, a, b, "gguf") for a, b in SPLITS["3-stages"]]
+    prompts = [torch.tensor([[1, 9690, 198, 2683, 359, 253]]), torch.tensor([[1, 504, 3295]])]
+
+    def run(stages: list, xs: list[torch.Tensor], caches: list, starts: list[int]) -> list:
+        for stage, stage_caches in zip(stages, caches, strict=True):
+            xs = stage.step(xs, stage_caches, starts)
+        return xs
+
+    caches = [[s.new_cache(0) for _ in prompts] for s in chain]
+    whole_caches = [[whole.new_cache(0) for _ in prompts]]
+    try:
+        for i, prompt in enumerate(prompts):
+            split = run(chain, [prompt], [[c[i]] for c in caches], [0])[0]
+            one = run([whole], [prompt], [[whole_caches[0][i]]], [0])[0]
+            assert torch.equal(split, one)
+        rows = [torch.tensor([[7]]), torch.tensor([[8]])]
+        starts = [p.shape[1] for p in prompts]
+        split = run(chain, rows, caches, starts)
+        one = run([whole], rows, whole_caches, starts)
+        assert all(torch.equal(a, b) for a, b in zip(split, one, strict=True))
+    finally:
+        for stage, stage_caches in zip([*chain, whole], [*caches, *whole_caches], strict=True):
+            for cache in stage_caches:
+                stage.free_cache(cache)
+
+
+def test_the_kv_budget_bounds_the_requests_a_stage_holds(smollm2_dir: Path) -> None:
+    # 10 layers x 3 kv heads x 64 x 2 (K, V) x 2 bytes = 7.5 KiB a position; 1024 positions
+    # a request: two requests' shares fit in 16 MiB, a third does not.
+    shape = ContextShape(kv_budget_bytes=16 * 2**20, positions=1000, batch_positions=128)
+    engine = load_engine(smollm2_dir, 10, 20, weights="gguf", threads=1, shape=shape)
+    assert engine.max_sequences == 2  # type: ignore[attr-defined]
+    held = [engine.new_cache(0), engine.new_cache(0)]
+    with pytest.raises(CacheFull, match="all 2 sequences"):
+        engine.new_cache(0)
+    engine.free_cache(held.pop())
+    engine.free_cache(engine.new_cache(0))  # a freed sequence is handed out again
+    with pytest.raises(EngineError, match="raise kv_budget_mb"):
+        load_engine(smollm2_dir, 10, 20, weights="gguf", threads=1,
+                    shape=ContextShape(2**20, 1000, 128))
+
+
+async def test_requests_past_the_sequences_wait_or_are_told_busy(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+    """The coordinator books a llama.cpp stage by its sequences: a request past them waits
+    for one to free (or is answered `busy` if none was free when it came), and is never
+    sent to a stage that would have to refuse it."""
+    plant = plant_for(smollm2_dir, amqtt_broker, [(0, 30)], weights="gguf",
+                      max_prompt_tokens=200, max_tokens_limit=56)
+    # 30 layers x 3 kv heads x 64 x 2 (K, V) x 2 bytes a position, 256 positions a request:
+    # room for two requests' shares.
+    share = 256 * 30 * 3 * 64 * 2 * 2
+    stage = plant.stages[0].model_copy(update={"kv_budget_mb": -(-2 * share // 2**20)})
+    plant = plant.model_copy(update={"stages": [stage]})
+    reqs = [GenerateRequest(id=f"r{i}", prompt=f"Fault {i} of the press is", max_tokens=40,
+                            ignore_eos=True) for i in range(4)]
+    async with running(plant) as stages:
+        responses = await ask_all(plant, reqs)
+    assert stages[0].model.max_sequences == 2  # type: ignore[attr-defined]
+    served = [r for r in responses if r.error is None]
+    assert all(r.error.code == "busy" for r in responses if r.error is not None), responses
+    assert len(served) >= 2
+    for response in served:
+        request = next(r for r in reqs if r.id == response.id)
+        assert response.tokens == reference(smollm2_dir, request)
+
+
+async def _until(condition: object, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
