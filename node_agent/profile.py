@@ -37,6 +37,7 @@ and reused while the host, torch version and checkpoint files are the same;
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, get_args
 
+import gguf
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -57,6 +59,7 @@ from broker.mosquitto import MosquittoProcess, mosquitto_binary
 from edgebus import frames
 from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
+from edgebus.model_import import GGUF_FILE
 from edgebus.processes import idle_agent_rss
 from node_agent import packed
 from node_agent.checkpoint import tensor_locations
@@ -194,13 +197,36 @@ def weight_sizes(model_dir: Path) -> tuple[tuple[PartBytes, ...], PartBytes, Par
     decoder = skeleton.get_decoder()
     head = skeleton.get_output_embeddings()
 
-    def sizes(module: nn.Module, edge: bool = False) -> PartBytes:
-        return PartBytes(**{mode: stored_bytes(module, mode, edge=edge)
-                            for mode in get_args(WeightMode)})
+    in_file = gguf_bytes(model_dir)
 
-    return (tuple(sizes(layer) for layer in decoder.layers), sizes(decoder.embed_tokens),
-            sizes(nn.ModuleList([decoder.norm, head]), edge=True),
+    def sizes(module: nn.Module, part: str | int, edge: bool = False) -> PartBytes:
+        return PartBytes(**{mode: stored_bytes(module, mode, edge=edge)
+                            for mode in get_args(WeightMode) if mode != "gguf"},
+                         gguf=in_file.get(part, 0))
+
+    return (tuple(sizes(layer, i) for i, layer in enumerate(decoder.layers)),
+            sizes(decoder.embed_tokens, "embedding"),
+            sizes(nn.ModuleList([decoder.norm, head]), "head", edge=True),
             head.weight is decoder.embed_tokens.weight)
+
+
+def gguf_bytes(model_dir: Path) -> dict[str | int, int]:
+    """Bytes of each layer (by index), of "embedding" and of "head" in the model's GGUF,
+    as shipped; empty without one. A tied head is the embedding's matrix."""
+    path = model_dir / GGUF_FILE
+    if not path.is_file():
+        return {}
+    parts: dict[str | int, int] = collections.defaultdict(int)
+    names = set()
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        names.add(tensor.name)
+        layer = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else None
+        part: str | int = (int(layer) if layer is not None else "embedding"
+                           if tensor.name.startswith("token_embd") else "head")
+        parts[part] += int(tensor.n_bytes)
+    if "output.weight" not in names:
+        parts["head"] += parts["embedding"]
+    return dict(parts)
 
 
 def costs_from(measured: Measured,

@@ -68,6 +68,7 @@ class PartBytes:
     bf16: int
     int8: int
     int4: int
+    gguf: int  # the GGUF's own blocks, as the file holds them (0: no model.gguf)
 
     def __getitem__(self, mode: WeightMode) -> int:
         value: int = getattr(self, mode)
@@ -132,7 +133,7 @@ class ModelCosts:
             # One matrix, counted above already, where the engine shares it: not where
             # oneDNN packs the fp32 head apart, nor where onnxruntime's head graph holds
             # its own copy beside the embedding's lookup table (int8, int4).
-            shared = mode == "bf16" or (mode == "fp32" and not self.packed_fp32)
+            shared = mode in ("bf16", "gguf") or (mode == "fp32" and not self.packed_fp32)
             if first == 0 and self.tied and shared:
                 total -= self.embedding_bytes[mode]
         return total

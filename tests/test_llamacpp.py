@@ -17,6 +17,7 @@ import gguf
 import pytest
 import torch
 from brokers import BrokerHandle
+from gguf_models import requantize
 from llama_cpp import Llama
 from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running, stage_model
 from test_pipeline import LONG_PROMPT, SMOLLM2_SPLITS
@@ -167,6 +168,28 @@ def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_dir: Path) -> Non
         for stage, stage_caches in zip([*chain, whole], [*caches, *whole_caches], strict=True):
             for cache in stage_caches:
                 stage.free_cache(cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "F16", "BF16"])
+def test_every_block_type_splits_exactly(smollm2_dir: Path, tmp_path: Path, qtype: str) -> None:
+    """Stage files are cut from GGUFs of each block type: the chain's logits, for a prompt and
+    8 greedy steps, are the whole model's bit for bit. (Q4_1 is the bundled file itself.)"""
+    model_dir = requantize(smollm2_dir, tmp_path / qtype, gguf.GGMLQuantizationType[qtype])
+    whole = load_engine(model_dir, 0, 30, weights="gguf", threads=2)
+    chain = [load_engine(model_dir, a, b, weights="gguf", threads=2)
+             for a, b in SPLITS["3-stages"]]
+    caches = [[stage.new_cache(0)] for stage in [whole, *chain]]
+    x, start = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646]]), 0
+    for _ in range(8):
+        one = whole.step([x], caches[0], [start])[0]
+        split = x
+        for stage, stage_caches in zip(chain, caches[1:], strict=True):
+            split = stage.step([split], stage_caches, [start])[0]
+        assert one is not None and split is not None
+        assert torch.equal(one, split), f"{qtype} at position {start}"
+        start += x.shape[1]
+        x = one.argmax(-1, keepdim=True)
 
 
 def test_the_kv_budget_bounds_the_requests_a_stage_holds(smollm2_dir: Path) -> None:
