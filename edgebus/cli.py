@@ -473,9 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: amqtt (embedded) and/or mosquitto")
     p.add_argument("--tokens", type=int,
                    help="tokens generated per request (default 64, 16 with --quick)")
-    p.add_argument("--weights", default="fp32,int4",
+    p.add_argument("--weights", default="fp32,int4,gguf",
                    help="weight modes of the 3-stage pipeline, comma-separated: fp32 runs on "
-                        "every broker, the others on Mosquitto (default fp32,int4)")
+                        "every broker, the others on Mosquitto (default fp32,int4,gguf)")
     p.add_argument("--no-seed-shape", action="store_true",
                    help="skip the seed's model shape (DeepSeek-Coder-1.3B, random weights; "
                         "~5 GB on disk, ~20 min); --quick skips it too")

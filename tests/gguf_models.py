@@ -3,6 +3,9 @@
 `requantize` rewrites the bundled SmolLM2 Q4_1 GGUF in another block type with
 gguf-py's own quantizers (the reference implementations of llama.cpp's), so the
 engine is tested on several types without llama.cpp's build tools.
+`tiny_gguf` converts a tiny random checkpoint of another family (tiny_models.py)
+with llama.cpp's own converter, from the source vendored in the installed
+llama-cpp-python's sdist (downloaded once; nothing is compiled).
 """
 
 from __future__ import annotations
@@ -12,8 +15,22 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from tiny_models import build_tiny
 
+from edgebus.bench.peers import convert_hf, llama_source
 from node_agent.engines.llamacpp.engine import MODEL_GGUF
+
+# The pre-tokenizer of SmolLM2's tokenizer, which the tiny models borrow: the converter
+# knows it by the hash of the Hub's copy, which an import through transformers changes.
+SMOLLM_PRE_TOKENIZER = "smollm"
+
+
+def tiny_gguf(family: str, dest: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random `family` checkpoint with its GGUF (F16) beside it as model.gguf."""
+    build_tiny(family, dest, tokenizer_dir)
+    convert_hf(llama_source(), dest, dest / MODEL_GGUF, log=dest / "convert.log",
+               pre_tokenizer=SMOLLM_PRE_TOKENIZER)
+    return dest
 
 
 def requantize(model_dir: Path, dest: Path, qtype: gguf.GGMLQuantizationType) -> Path:

@@ -17,7 +17,7 @@ import gguf
 import pytest
 import torch
 from brokers import BrokerHandle
-from gguf_models import requantize
+from gguf_models import requantize, tiny_gguf
 from llama_cpp import Llama
 from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running, stage_model
 from test_pipeline import LONG_PROMPT, SMOLLM2_SPLITS
@@ -190,6 +190,38 @@ def test_every_block_type_splits_exactly(smollm2_dir: Path, tmp_path: Path, qtyp
         assert torch.equal(one, split), f"{qtype} at position {start}"
         start += x.shape[1]
         x = one.argmax(-1, keepdim=True)
+
+
+# Cuts of the tiny 6-layer models: DeepSeek's layer 0 is dense and the rest MoE, so one
+# cut falls on that boundary and one inside the MoE layers.
+FAMILY_SPLITS = {
+    "qwen2": [[(0, 6)], [(0, 3), (3, 6)], [(0, 2), (2, 4), (4, 6)]],
+    "deepseek_v3": [[(0, 6)], [(0, 1), (1, 6)], [(0, 1), (1, 3), (3, 6)]],
+}
+
+
+@pytest.fixture(scope="module", params=FAMILY_SPLITS, ids=FAMILY_SPLITS)
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           smollm2_dir: Path) -> tuple[str, Path]:
+    name: str = request.param
+    return name, tiny_gguf(name, tmp_path_factory.mktemp(name), smollm2_dir)
+
+
+@pytest.mark.slow
+async def test_other_architectures_split_exactly(family: tuple[str, Path],
+                                                 amqtt_broker: BrokerHandle) -> None:
+    """Qwen2, and DeepSeek's MLA and MoE (transformers' DeepseekV3, llama.cpp's deepseek2
+    architecture), converted by llama.cpp's converter: through 1, 2 and 3 stages, with
+    concurrent requests, token-exact against the GGUF run whole."""
+    name, family_dir = family
+    reqs = requests()[2:]  # six short prompts: tiny models, so many requests cost little
+    for split in FAMILY_SPLITS[name]:
+        plant = plant_for(family_dir, amqtt_broker, split, weights="gguf", **LIMITS)
+        async with running(plant):
+            responses = await _ask_staggered(plant, reqs)
+        for request, response in zip(reqs, responses, strict=True):
+            assert response.error is None, response.error
+            assert response.tokens == reference(family_dir, request), (split, request.id)
 
 
 def test_the_kv_budget_bounds_the_requests_a_stage_holds(smollm2_dir: Path) -> None:

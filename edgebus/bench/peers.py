@@ -15,6 +15,7 @@ the next `--build-peers` resumes it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import http.client
 import importlib.util
@@ -1064,19 +1065,67 @@ def seed_gguf(tools: LlamaTools, model_dir: Path, quant: str, *,
     if not f16.is_file():
         print(f"converting {model_dir} to {f16} with llama.cpp's convert_hf_to_gguf.py",
               file=out, flush=True)
-        env = tools.env()
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(tools.gguf_py), *filter(None, [env.get("PYTHONPATH")])])
-        _atomic_output(f16, lambda tmp: _run(
-            [sys.executable, str(tools.converter), str(model_dir), "--outtype", "f16",
-             "--outfile", str(tmp)], gguf_dir / "convert.log", env=env,
-            what=f"converting {model_dir} to GGUF (convert_hf_to_gguf.py)"))
+        convert_hf(tools.source, model_dir, f16, log=gguf_dir / "convert.log")
     print(f"quantizing to {quant}: {target}", file=out, flush=True)
     _atomic_output(target, lambda tmp: _run(
         [str(tools.binary("llama-quantize")), str(f16), str(tmp), quant,
          str(len(os.sched_getaffinity(0)))], gguf_dir / f"quantize-{quant}.log",
         env=tools.env(), what=f"quantizing {f16.name} to {quant} (llama-quantize)"))
     return target
+
+
+def llama_source(home: Path | None = None, out: TextIO = sys.stdout) -> Path:
+    """The llama.cpp source vendored in the installed llama-cpp-python's sdist (its converter
+    and gguf-py): the built tools' copy, else the source alone, downloaded once into
+    `$EDGEBUS_HOME/llama.cpp/<version>-source/` (seconds; nothing is compiled)."""
+    tools = find_tools(home)
+    if isinstance(tools, LlamaTools):
+        return tools.source
+    llama_version = installed_version()
+    if llama_version is None:
+        raise EdgebusError("llama-cpp-python is not installed, and its version picks the "
+                           "llama.cpp source: pip install llama-cpp-python")
+    final = tools_dir(f"{llama_version}-source", home)
+    if not (final / "src" / "convert_hf_to_gguf.py").is_file():
+        partial = final.with_name(f".{final.name}.partial-{os.getpid()}")
+        try:
+            _fetch_source(llama_version, partial, out)
+            with contextlib.suppress(OSError):  # another process's copy got there first
+                os.rename(partial, final)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return final / "src"
+
+
+def convert_hf(source: Path, model_dir: Path, target: Path, *, log: Path,
+               outtype: str = "f16", pre_tokenizer: str | None = None) -> None:
+    """`model_dir` (an HF directory) written to `target` as a GGUF of `outtype` by llama.cpp's
+    convert_hf_to_gguf.py from `source`. `pre_tokenizer` names the pre-tokenizer for a
+    tokenizer the converter does not recognise by its hash (a test model borrowing
+    another's tokenizer); llama.cpp tokenizes nothing in a stage, so it only has to load."""
+    pin = ["--pre-tokenizer", pre_tokenizer] if pre_tokenizer else []
+    _atomic_output(target, lambda tmp: _run(
+        [sys.executable, "-m", "edgebus.bench.converter", *pin, str(source), "--",
+         str(model_dir), "--outtype", outtype, "--outfile", str(tmp)], log,
+        what=f"converting {model_dir} to GGUF (convert_hf_to_gguf.py)"))
+
+
+def seed_gguf_model(tools: LlamaTools, model_dir: Path, quant: str) -> Path:
+    """A model directory the llamacpp engine runs: `model_dir`'s config and tokenizer, and its
+    `quant` GGUF (seed_gguf) as model.gguf, all linked, nothing copied."""
+    from edgebus.model_import import GGUF_FILE
+
+    gguf = seed_gguf(tools, model_dir, quant)
+    view = model_dir.with_name(f"{model_dir.name}-{quant}")
+    view.mkdir(exist_ok=True)
+    links = {path.name: path for path in model_dir.iterdir()
+             if path.suffix in (".json", ".jinja", ".model")}
+    links[GGUF_FILE] = gguf
+    for name, target in links.items():
+        link = view / name
+        if not link.is_symlink():
+            link.symlink_to(target)
+    return view
 
 
 def _atomic_output(target: Path, make: Callable[[Path], None]) -> None:

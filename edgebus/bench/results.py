@@ -11,11 +11,12 @@ from plant_config.schema import WeightMode
 
 if TYPE_CHECKING:
     from edgebus.bench.peers import PeerRuns, Skipped
+    from edgebus.bench.stage_steps import StageSteps
 
 BROKERS = ("amqtt", "mosquitto")
 # The pipeline's weight modes: fp32 (torch, the exact reference) on every broker, and the
 # fast mode on the production broker only (the broker is not what it is about).
-WEIGHT_MODES: tuple[WeightMode, ...] = ("fp32", "int4")
+WEIGHT_MODES: tuple[WeightMode, ...] = ("fp32", "int4", "gguf")
 # Requests per closed-loop client, single-stream runs, and concurrency levels.
 FULL_REQUESTS_EACH, QUICK_REQUESTS_EACH = 2, 1
 FULL_RUNS, QUICK_RUNS = 3, 2
@@ -185,3 +186,5 @@ class BenchResult:
     bandwidth_gbs: float | None = None   # memory read bandwidth of one thread
     peers: PeerRuns | None = None        # llama.cpp's own tools on the bundled GGUF
     seed_shape: SeedShape | None = None  # None with --quick or --no-seed-shape
+    # llama.cpp stages' decode steps against the whole model's, per model and thread count.
+    stage_steps: list[StageSteps] | None = None

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from broker.mosquitto import MosquittoProcess, mosquitto_version
-from edgebus.bench import baseline, peers, roofline
+from edgebus.bench import baseline, peers, roofline, stage_steps
 from edgebus.bench.gateway import Gateway, Sniffer, broker_hop, closed_loop
 from edgebus.bench.metrics import (
     LoadStats,
@@ -93,7 +93,15 @@ SEED_PROMPT = ('def parse_alarm_log(path):\n    """Read a PLC alarm log (CSV: ti
 # Engines and modes of the seed's shape: both engines in 8 bits, onnxruntime in 4, and the
 # fp32 reference. (torch has no 4-bit mode: docs/weight-modes.md.)
 SEED_VARIANTS: tuple[tuple[EngineName, WeightMode], ...] = (
-    ("torch", "fp32"), ("torch", "int8"), ("onnxruntime", "int8"), ("onnxruntime", "int4"))
+    ("torch", "fp32"), ("torch", "int8"), ("onnxruntime", "int8"), ("onnxruntime", "int4"),
+    ("llamacpp", "gguf"))
+# The GGUF type the llamacpp engine runs the seed's shape in: the leanest 4-bit type, the
+# one the seed's boxes would run.
+SEED_STAGE_GGUF = "Q4_0"
+# A llamacpp node books every request's longest length up front (ContextShape): these
+# limits fit the bench's longest request (the 512-token prompt, or the seed's 256-token
+# completion) and let the default kv_budget_mb hold every request of concurrency 16.
+GGUF_LIMITS = {"max_prompt_tokens": 1024, "max_tokens_limit": 256}
 # The GGUF types llama.cpp runs the seed's shape in: 4 and 8 bits, as edgebus; Q4_1 is
 # the 4-bit form closest to edgebus's int4 (a float minimum per block), Q4_0 the leanest.
 SEED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -124,7 +132,9 @@ def run_bench(settings: BenchSettings) -> BenchResult:
 
     runs = _pipeline_runs(settings)
     seed = settings.seed_shape and not settings.quick
-    phases = 5 + len(runs) + (3 if settings.boxes else 0) + (1 if seed else 0)
+    gguf_steps = "gguf" in settings.weights
+    phases = (5 + len(runs) + (3 if settings.boxes else 0) + (1 if seed else 0)
+              + (1 if gguf_steps else 0))
     print(f"edgebus bench on {machine.cpu}: {phases} phases; plant files and agent logs in "
           f"{workdir}", flush=True)
     with tqdm(total=phases, unit="phase", file=sys.stdout) as bar:
@@ -161,12 +171,18 @@ def run_bench(settings: BenchSettings) -> BenchResult:
             for stages in (1, 2):
                 with _phase(bar, f"boxes: {stages} pinned stage(s)"):
                     boxes.append(run_boxes(stages, cpus, model_dir, workdir, settings))
+        layers = balanced_split(model_costs(model_dir)[0], PIPELINE_STAGES)
+        steps: list[stage_steps.StageSteps] = []
+        if gguf_steps:
+            with _phase(bar, "llama.cpp stages against the whole model"):
+                steps += [stage_steps.measure(model_dir, DEMO_MODEL_NAME, layers, threads)
+                          for threads in sorted({1, cores})]
         seed_shape = None
         if seed:
             with _phase(bar, "the seed's model shape (DeepSeek-Coder-1.3B, random weights)"):
-                seed_shape = run_seed_shape(workdir)
+                seed_shape, seed_steps = run_seed_shape(workdir, notes)
+                steps += seed_steps
 
-    layers = balanced_split(model_costs(model_dir)[0], PIPELINE_STAGES)
     result = BenchResult(
         settings=settings, machine=machine, model=DEMO_MODEL_NAME,
         chat_prompt_tokens=len(chat_ids), long_prompt_tokens=long_tokens, transformers=hf,
@@ -175,7 +191,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
                                                layers),
         pipelines=pipelines, boxes=boxes, one_core=one_core,
         elapsed_s=time.monotonic() - started, notes=notes, bandwidth_gbs=bandwidth / 1e9,
-        peers=peer_runs, seed_shape=seed_shape)
+        peers=peer_runs, seed_shape=seed_shape, stage_steps=steps or None)
     text, plot = write_report(result)
     print(text)
     print(f"wrote {settings.out}" + (f" and {plot}" if plot is not None else
@@ -238,6 +254,8 @@ def _plant(model_dir: Path, plant_id: str, stages: int, *, url: str | None = Non
         spec.model_copy(update={"layers": r, "weights": weights, "engine": engine,
                                 **({"threads": threads} if threads else {})})
         for spec, r in zip(plant.stages, layers, strict=True)]}
+    if weights == "gguf":
+        update["coordinator"] = plant.coordinator.model_copy(update=GGUF_LIMITS)
     if plant.broker.embedded:
         update["broker"] = plant.broker.model_copy(update={"host": LOOPBACK,
                                                            "port": free_port()})
@@ -418,22 +436,38 @@ async def _measure_boxes(processes: PlantProcesses, settings: BenchSettings,
 # -- the seed's model shape ------------------------------------------------------------
 
 
-def run_seed_shape(workdir: Path) -> SeedShape:
+def run_seed_shape(workdir: Path, notes: list[str]
+                   ) -> tuple[SeedShape, list[stage_steps.StageSteps]]:
     """Each of SEED_VARIANTS as 3 stages over Mosquitto on a random-weight model of
     DeepSeek-Coder-1.3B's shape, and llama.cpp on GGUFs of the same shape: one
-    SEED_COMPLETION_TOKENS-token completion each."""
+    SEED_COMPLETION_TOKENS-token completion each; and its llama.cpp stages' decode steps
+    against the whole model's."""
     model_dir = peers.make_seed_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = prompt_ids(tokenizer, _seed_request("ids"))
+    tools = peers.find_tools()
+    gguf_dir = None
+    if not isinstance(tools, peers.Skipped):
+        gguf_dir = peers.seed_gguf_model(tools, model_dir, SEED_STAGE_GGUF)
     runs = []
+    steps: list[stage_steps.StageSteps] = []
     for engine, weights in SEED_VARIANTS:
+        source = gguf_dir if weights == "gguf" else model_dir
+        if source is None:
+            notes.append(f"the seed's shape on {engine} {weights}: not measured, its GGUF is "
+                         f"made by llama.cpp's tools: {peers.NOT_BUILT}")
+            continue
         with contextlib.ExitStack() as stack:
             mosquitto = stack.enter_context(MosquittoProcess(workdir / "mosquitto-seed"))
-            plant = _plant(model_dir, f"bench-seed-{engine}-{weights}", PIPELINE_STAGES,
+            plant = _plant(source, f"bench-seed-{engine}-{weights}", PIPELINE_STAGES,
                            url=mosquitto.url, weights=weights, engine=engine)
             processes = _start(plant, workdir, stack)
             runs.append(asyncio.run(_measure_seed(processes, engine, weights)))
-    tools = peers.find_tools()
+        if weights == "gguf":
+            layers = [spec.layers for spec in plant.stages]
+            steps = [stage_steps.measure(source, f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
+                                         layers, threads)
+                     for threads in sorted({1, len(os.sched_getaffinity(0))})]
     llama: dict[str, StreamStats | peers.Skipped] = {}
     for quant in SEED_GGUF_TYPES:
         if isinstance(tools, peers.Skipped):
@@ -447,7 +481,7 @@ def run_seed_shape(workdir: Path) -> SeedShape:
         except EdgebusError as exc:
             llama[quant] = peers.Skipped(str(exc))
     return SeedShape(model=peers.SEED_MODEL_NAME, prompt_tokens=len(ids),
-                     tokens=SEED_COMPLETION_TOKENS, runs=runs, llama_cpp=llama)
+                     tokens=SEED_COMPLETION_TOKENS, runs=runs, llama_cpp=llama), steps
 
 
 def _seed_request(name: str, tokens: int = SEED_COMPLETION_TOKENS) -> GenerateRequest:

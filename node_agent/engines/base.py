@@ -142,6 +142,9 @@ class StageEngine(ABC):
         """The request of `cache` is over: give back what the engine holds for it. A
         KVCache is plain memory, freed when the agent lets go of it."""
 
+    def close(self) -> None:  # noqa: B027 (torch's tensors are freed by the garbage collector)
+        """Free what the engine holds outside Python's heap (llama.cpp's model and context)."""
+
     def kv_bytes_per_token(self) -> int:
         """Bytes one position adds to a request's cache on this stage."""
         return kv_bytes_per_token(self.config, (self.slice.first, self.slice.end))

@@ -122,6 +122,8 @@ class LlamaCppEngine(StageEngine):
         context.n_ctx = per_sequence * self.max_sequences
         context.n_batch = context.n_ubatch = rows
         context.n_seq_max = self.max_sequences
+        # llama.cpp keeps an output row per sequence at least, and asserts it fits this.
+        context.n_outputs_max = max(rows, self.max_sequences)
         context.n_threads = context.n_threads_batch = threads
         context.kv_unified = False
         context.flash_attn_type = FLASH_ATTN

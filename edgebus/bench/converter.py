@@ -1,0 +1,36 @@
+"""Run llama.cpp's convert_hf_to_gguf.py from a vendored source tree, as a child process.
+
+    python -m edgebus.bench.converter [--pre-tokenizer NAME] SOURCE -- CONVERTER-ARGS...
+
+`--pre-tokenizer` names the pre-tokenizer of a tokenizer the converter does
+not recognise by its hash (a random test model borrowing SmolLM2's tokenizer,
+as imported by edgebus); a llama.cpp stage tokenizes nothing, so the GGUF's
+vocabulary only has to load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m edgebus.bench.converter")
+    parser.add_argument("source", help="the vendored llama.cpp: convert_hf_to_gguf.py, gguf-py")
+    parser.add_argument("--pre-tokenizer")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    sys.path[:0] = [f"{args.source}/gguf-py", args.source]
+    if args.pre_tokenizer:
+        import conversion.base as base  # the converter's own package, from `source`
+
+        name = args.pre_tokenizer
+        base.TextModel.get_vocab_base_pre = lambda self, tokenizer: name
+    script = f"{args.source}/convert_hf_to_gguf.py"
+    sys.argv = [script, *(a for a in args.args if a != "--")]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
