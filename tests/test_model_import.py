@@ -196,7 +196,7 @@ def test_progress_bar_counts_the_steps(tiny_gguf: Path, tmp_path: Path,
     import_gguf(tiny_gguf, tmp_path / "model", progress=True)
     err = capsys.readouterr().err
     assert "Importing tiny.gguf" in err
-    assert "4/4" in err
+    assert "5/5" in err
 
 
 def test_crash_while_writing_leaves_no_directory(tiny_gguf: Path, tmp_path: Path,
