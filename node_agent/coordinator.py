@@ -81,6 +81,7 @@ from node_agent.runtime import presence, publish_plan, run_agent, serve_until, s
 from node_agent.sampling import candidates_wanted, sample_token
 from node_agent.text import TextStream, decode, prompt_ids
 from plant_config import Plant
+from plant_config.schema import resolve_engine
 from plant_config.tasks import apply_task
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class Generation:
     reply: ReplyRoute
     history: list[int]  # prompt ids, then every sampled token
     max_len: int  # positions it may reach: what its KV reservation is for
+    prompt_len: int  # positions of `history` that are the prompt
     seq: int = field(default_factory=lambda: secrets.randbits(63))
     step: int = 0
     epoch: int = 0
@@ -257,6 +259,9 @@ class Coordinator:
                                                 max_in_flight=self.spec.max_in_flight,
                                                 stages=len(self.pipeline))
         self.kv = {spec.node: kv_reservation(plant, spec.node, config) for spec in plant.stages}
+        # See _feed_sizes: replays on llama.cpp must group positions as they were first fed.
+        self.replay_as_fed = any(resolve_engine(spec.engine, spec.weights) == "llamacpp"
+                                 for spec in plant.stages)
         self.health = {spec.node: NodeHealth() for spec in plant.stages}
         self._ready = asyncio.Event()  # every stage has a live node
         self._changed = asyncio.Event()  # replaced on every change of `health`
@@ -665,7 +670,8 @@ class Coordinator:
         if not ids or len(ids) > spec.max_prompt_tokens:
             raise RequestError("prompt_length", f"prompt is {len(ids)} tokens; it must be "
                                f"1..{spec.max_prompt_tokens}")
-        gen = Generation(request, reply, history=list(ids), max_len=len(ids) + request.max_tokens)
+        gen = Generation(request, reply, history=list(ids), max_len=len(ids) + request.max_tokens,
+                         prompt_len=len(ids))
         self._check_fits(gen)
         self._active[gen.seq] = gen  # no await since the checks: the admission count holds
         self._by_key[key] = gen
@@ -790,13 +796,28 @@ class Coordinator:
                 Kind.TOKENS, torch.tensor([todo]), header, start=start, candidates=candidates))
             return
         offset = 0
-        for size in prefill_chunks(len(todo), self.spec.prefill_chunk):
+        for size in self._feed_sizes(gen, start, len(todo)):
             last = offset + size == len(todo)
             ids = torch.tensor([todo[offset:offset + size]])
             self._outbox.send(first, frames.encode(Kind.TOKENS, ids, header, start=start + offset,
                                                    candidates=candidates if last else 0,
                                                    prefill=True))
             offset += size
+
+    def _feed_sizes(self, gen: Generation, start: int, positions: int) -> list[int]:
+        """Positions of each prefill frame for `positions` of `gen.history` from `start`.
+
+        llama.cpp computes k positions of a sequence in one call not bitwise as k
+        calls of one (docs/architecture.md#the-llamacpp-engine), so on a plant with
+        llamacpp stages a replay feeds the history as it was first fed: the prompt in
+        its chunks, then every generated token as a position of its own. Otherwise the
+        whole history goes in chunks, which is fastest.
+        """
+        if not self.replay_as_fed:
+            return prefill_chunks(positions, self.spec.prefill_chunk)
+        prompt = max(0, min(positions, gen.prompt_len - start))
+        return [*(prefill_chunks(prompt, self.spec.prefill_chunk) if prompt else []),
+                *[1] * (positions - prompt)]
 
     # -- routes --------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ _HEADER = """\
 # edgebus plant file: which node runs which layers of which model, and where the broker is.
 # Every agent reads this same file; relative paths (model:, security:) are relative to it.
 # layers: [first, last + 1] - [0, 10] means layers 0-9. Optional per stage: threads: N.
-# weights: fp32 (token-exact, the default), bf16 or int8 (less memory; docs/weight-modes.md).
+# weights: fp32 (token-exact, the default), bf16, int8 or int4 (less memory; docs/weight-modes.md),
+# or gguf: the GGUF's own blocks in llama.cpp, fastest (docs/plant-file.md).
 # security: every agent, gateway and ops tool logs in as its own identity with the password
 # in credentials/<identity>.password; without it the broker admits anyone (docs/plant-file.md).
 """

@@ -27,7 +27,7 @@ import aiomqtt
 import pytest
 import yaml
 from brokers import BrokerHandle, free_port
-from pipeline import reference_tokens
+from pipeline import engine_tokens, reference_tokens
 
 from edgebus.errors import EdgebusError
 from edgebus.launcher import RESTART_LIMIT, RESTART_MAX_DELAY_S, STOP_GRACE_S, PlantProcesses
@@ -270,13 +270,17 @@ def on_a_free_port(plant_path: Path) -> Plant:
     return load_plant(plant_path)
 
 
+@pytest.mark.parametrize("weights", ["fp32", "gguf"])
 async def test_kill_9_of_a_stage_node_under_up_loses_no_request_and_it_comes_back(
-        tiny_llama: Path, tmp_path: Path) -> None:
+        tiny_llama: Path, smollm2_dir: Path, tmp_path: Path, weights: str) -> None:
     """docs/failover.md's flow as a new user follows it: `init --replicas 2`, `up`, requests,
-    `kill -9` of a node. Its standby finishes its requests, token-exact; `up` restarts it."""
+    `kill -9` of a node. Its standby finishes its requests, token-exact; `up` restarts it.
+    On llama.cpp (gguf, SmolLM2: the tiny Llama has no GGUF) too: the replay feeds the
+    history as it was first fed, so the standby's KV is bitwise the dead node's."""
+    model = tiny_llama if weights == "fp32" else smollm2_dir
     plant_path = tmp_path / "plant.yaml"
-    edgebus_cli("init", str(plant_path), "--model", str(tiny_llama), "--stages", "3",
-                "--replicas", "2")
+    edgebus_cli("init", str(plant_path), "--model", str(model), "--stages", "3",
+                "--replicas", "2", "--weights", weights)
     plant = on_a_free_port(plant_path)
     assert plant.security is not None  # secure by default: the gateway logs in as plc-1
     agents = agent_ids(plant)
@@ -312,7 +316,9 @@ async def test_kill_9_of_a_stage_node_under_up_loses_no_request_and_it_comes_bac
     for request in batch:
         response = gateway.responses[request.id]
         assert response.error is None, response.error
-        assert response.tokens == reference_tokens(tiny_llama, request), request.id
+        expected = (reference_tokens(model, request) if weights == "fp32"
+                    else engine_tokens(model, request, "llamacpp", "gguf"))
+        assert response.tokens == expected, request.id
     report = (tmp_path / "up.out").read_text()
     assert f"{victim} (pid {online[victim].pid}) was killed by SIGKILL; restarting it" in report
     assert "security is off" not in report
@@ -431,3 +437,22 @@ def test_a_taken_broker_port_fails_before_anything_starts(tiny_llama: Path,
         with pytest.raises(EdgebusError, match=f"port {plant.broker.port} .* already in use"):
             plant_processes.start()
     assert plant_processes.pids == {}
+
+
+async def test_a_stage_killed_by_sigill_is_reported_with_what_to_do(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """SIGILL is a CPU refusing an instruction llama.cpp was built for (an Intel VM
+    advertising AMX): `up` says so and where the fix is, and restarts the node."""
+    plant_path, plant = plant_file(tiny_llama, tmp_path)
+    victim = plant.stages[0].node
+    with edgebus_up(plant_path, tmp_path) as up:
+        async with watch_statuses(plant) as watch:
+            online = await watch.wait(all_are(agent_ids(plant), "online"), READY_S)
+            os.kill(online[victim].pid, signal.SIGILL)
+            await output_says(tmp_path / "up.out", f"{victim} online again", RESTART_S)
+        up.send_signal(signal.SIGTERM)
+        assert wait_exit(up, STOP_S) == 0
+    report = (tmp_path / "up.out").read_text()
+    assert (f"{victim} (pid {online[victim].pid}) was killed by SIGILL: the CPU refused an "
+            "instruction") in report
+    assert "docs/deploy.md#llamacpp-on-the-box-weights-gguf" in report
