@@ -39,14 +39,15 @@ READY_TIMEOUT_S = 30.0
 
 def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int, int]], *,
               weights: WeightMode = "fp32", engine: EngineName = "auto",
-              **coordinator: object) -> Plant:
+              kv_budget_mb: int = 512, **coordinator: object) -> Plant:
     """A plant over `broker` with one stage per layer range, on a topic root of its own."""
     return Plant(
         plant_id="test", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
         broker=BrokerSettings(url=f"mqtt://{broker.host}:{broker.port}",
                               protocol="5" if broker.mqtt5 else "3.1.1"),
         model=model_dir,
-        stages=[StageSpec(node=f"stage-{i}", layers=layers, weights=weights, engine=engine)
+        stages=[StageSpec(node=f"stage-{i}", layers=layers, weights=weights, engine=engine,
+                          kv_budget_mb=kv_budget_mb)
                 for i, layers in enumerate(splits)],
         coordinator=CoordinatorSpec(**coordinator))  # type: ignore[arg-type]
 

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["ContextShape", "KvReservation", "StageEngine", "StageSlice", "context_shape",
            "kv_reservation", "load_engine"]
 
-# A node of the plant file's defaults: kv_budget_mb 512, max_prompt_tokens plus
-# max_tokens_limit, and prefill_chunk (plant_config/schema.py).
-DEFAULT_SHAPE = ContextShape(kv_budget_bytes=512 * 2**20, positions=5120, batch_positions=128)
+# For tools and tests that load an engine outside a plant (agents pass their node's
+# shape): a request or two of 2048 positions, the plant's default prefill_chunk. llama.cpp
+# allocates the whole budget at load, so it is kept small.
+DEFAULT_SHAPE = ContextShape(kv_budget_bytes=128 * 2**20, positions=2048, batch_positions=128)
 
 
 def context_shape(plant: Plant, node_id: str) -> ContextShape:
