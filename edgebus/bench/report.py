@@ -102,7 +102,10 @@ def _peer_targets(result: BenchResult) -> list[Target]:
     where = f"{PEER_WEIGHTS}, 3 stages over {fast.broker}" if fast else PEER_WEIGHTS
     loaded = fast.at(TARGET_CONCURRENCY) if fast else None
     rpc = _rpc(result)
-    single = _llama_single(result)
+    # The stages' own thread count: on one box `up` divides the cores among them, and
+    # the one-process run to hold them to is the one with as many threads as a stage.
+    threads = int(fast.engines.get("stage-0", {}).get("threads", 0)) if fast else 0
+    single = _llama_single(result, threads or result.machine.usable_cores)
     slots = _slots(result)
     rpc_loaded = next((s for s in rpc.load if s.concurrency == TARGET_CONCURRENCY),
                       None) if rpc else None
@@ -111,8 +114,8 @@ def _peer_targets(result: BenchResult) -> list[Target]:
         Target(f"single stream, {where}, vs llama.cpp RPC ({rpc_servers})",
                _ratio(fast.single.tok_s if fast else None, rpc.single.tok_s if rpc else None),
                2.0, at_least=True),
-        Target(f"single stream, {where}, vs llama.cpp in one process "
-               f"({result.machine.usable_cores} threads)",
+        Target(f"single stream, {where}, vs llama.cpp in one process with a stage's "
+               f"threads ({threads or result.machine.usable_cores})",
                _ratio(fast.single.tok_s if fast else None, single.tok_s if single else None),
                0.80, at_least=True),
         Target(f"{TARGET_CONCURRENCY} concurrent, {where}, vs llama-server -np "
@@ -160,11 +163,11 @@ def _stage_steps(result: BenchResult) -> str:
                      "sum / whole"], rows))
 
 
-def _llama_single(result: BenchResult) -> StreamStats | None:
-    """llama.cpp in one process with every core (llama-server, one slot)."""
+def _llama_single(result: BenchResult, threads: int) -> StreamStats | None:
+    """llama.cpp in one process with `threads` threads (llama-server, one slot)."""
     if result.peers is None:
         return None
-    found = result.peers.single.get(result.machine.usable_cores)
+    found = result.peers.single.get(threads)
     return found if isinstance(found, StreamStats) else None
 
 
