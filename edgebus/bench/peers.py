@@ -1111,15 +1111,15 @@ def convert_hf(source: Path, model_dir: Path, target: Path, *, log: Path,
 
 
 def seed_gguf_model(tools: LlamaTools, model_dir: Path, quant: str) -> Path:
-    """A model directory the llamacpp engine runs: `model_dir`'s config and tokenizer, and its
-    `quant` GGUF (seed_gguf) as model.gguf, all linked, nothing copied."""
+    """A model directory the llamacpp engine runs: `model_dir`'s files (config, tokenizer, and
+    the safetensors the planner's profile reads) and its `quant` GGUF (seed_gguf) as
+    model.gguf, all linked, nothing copied."""
     from edgebus.model_import import GGUF_FILE
 
     gguf = seed_gguf(tools, model_dir, quant)
     view = model_dir.with_name(f"{model_dir.name}-{quant}")
     view.mkdir(exist_ok=True)
-    links = {path.name: path for path in model_dir.iterdir()
-             if path.suffix in (".json", ".jinja", ".model")}
+    links = {path.name: path for path in model_dir.iterdir() if path.is_file()}
     links[GGUF_FILE] = gguf
     for name, target in links.items():
         link = view / name

@@ -98,8 +98,8 @@ class LlamaCppEngine(StageEngine):
         params.n_gpu_layers = 999 if device == "cuda" else 0
         self._model = lowlevel.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
-            raise EngineError(f"llama.cpp could not load {path} (run with --log-level debug "
-                              "for its reasons)")
+            raise EngineError(f"llama.cpp could not load {path}: its reasons are in the log "
+                              "lines above (logger llama.cpp)")
         self.hidden = int(lowlevel.llama_model_n_embd(self._model))
         self.vocab = int(lowlevel.llama_vocab_n_tokens(lowlevel.llama_model_get_vocab(
             self._model)))
