@@ -37,6 +37,7 @@ from edgebus.bench.results import (
     TransformersBaseline,
     Wire,
 )
+from edgebus.bench.stage_steps import StageSteps
 from edgebus.processes import proc_status_bytes
 
 MIB = 1024**2
@@ -156,9 +157,10 @@ BOXES = "2 pinned stages at 4-8 concurrent vs one process on 1 core (transformer
 def _pipeline(broker: str, single: float, at_16: float, weights: str = "fp32") -> PipelineRun:
     stage_rss = {"stage-0": 500 * MIB, "stage-1": 400 * MIB, "stage-2": 500 * MIB}
     held = {"stage-0": 30 * MIB, "stage-1": 20 * MIB, "stage-2": 30 * MIB}
+    engine = {"fp32": "torch", "int4": "onnxruntime", "gguf": "llamacpp"}[weights]
     return PipelineRun(
-        broker=broker, weights=weights, engine="torch" if weights == "fp32" else "onnxruntime",
-        engines={node: {"weight_bytes": size} for node, size in held.items()},
+        broker=broker, weights=weights, engine=engine,
+        engines={node: {"weight_bytes": size, "threads": 1} for node, size in held.items()},
         single=_stream(single),
         load=[_load(1, single), _load(4, 30.0), _load(16, at_16)], long_ttft_s=1.0,
         wire=Wire({"stage-0": 60, "stage-1": 1208, "stage-2": 1208, "coordinator": 64}),
@@ -189,7 +191,8 @@ def result(tmp_path: Path) -> BenchResult:
         llama_cpp=None, idle_rss=300 * MIB, stage_layers=[(0, 10), (10, 20), (20, 30)],
         stage_param_bytes=[250 * MIB, 150 * MIB, 250 * MIB],
         pipelines=[_pipeline("amqtt", 9.0, 50.0), _pipeline("mosquitto", 9.6, 70.0),
-                   _pipeline("mosquitto", 40.0, 200.0, weights="int4")],
+                   _pipeline("mosquitto", 35.0, 150.0, weights="int4"),
+                   _pipeline("mosquitto", 40.0, 200.0, weights="gguf")],
         boxes=[BoxesRun(stages=1, layers=[(0, 30)], load=[_load(4, 10.0), _load(8, 10.0)]),
                BoxesRun(stages=2, layers=[(0, 19), (19, 30)],
                         load=[_load(4, 16.0), _load(8, 18.0)])],
@@ -224,15 +227,15 @@ def test_targets_are_judged_on_mosquitto_against_the_same_run(result: BenchResul
                     "agent"] == ("0.91x", "pass")
 
 
-def test_int4_is_judged_against_llama_cpp_measured_in_the_same_run(
+def test_gguf_is_judged_against_llama_cpp_measured_in_the_same_run(
         result: BenchResult) -> None:
     verdicts = _verdicts(report.render_markdown(result, None))
-    where = "int4, 3 stages over mosquitto"
+    where = "gguf, 3 stages over mosquitto"
     assert verdicts[f"single stream, {where}, vs llama.cpp RPC (3 rpc-servers)"] == \
-        ("1.60x", "pass")
-    # The one-process peer with every core (2 threads: 80 tok/s), not the 1-thread one.
-    assert verdicts[f"moonshot: single stream, {where}, vs llama.cpp in one process "
-                    "(2 threads)"] == ("0.50x", "**fail**")
+        ("1.60x", "**fail**")
+    # The one-process peer with a stage's threads (1 thread: 50 tok/s), not every core's.
+    assert verdicts[f"single stream, {where}, vs llama.cpp in one process with a stage's "
+                    "threads (1)"] == ("0.80x", "pass")
     assert verdicts[f"16 concurrent, {where}, vs llama-server -np 16"] == ("2.00x", "pass")
     assert verdicts[f"16 concurrent, {where}, vs llama.cpp RPC"] == ("5.00x", "pass")
     assert verdicts[f"TTFT p50 at 16, {where}, vs llama-server -np 16's"] == ("1.00x", "pass")
@@ -241,13 +244,24 @@ def test_int4_is_judged_against_llama_cpp_measured_in_the_same_run(
                     "bandwidth)"] == ("0.05x", "**fail**")
 
 
+def test_llama_cpp_stages_are_held_to_the_whole_models_step(result: BenchResult) -> None:
+    steps = [StageSteps("m", 1, [(0, 10), (10, 30)], whole_ms=10.0, stage_ms=[4.0, 6.2]),
+             StageSteps("m", 2, [(0, 10), (10, 30)], whole_ms=6.0, stage_ms=[3.0, 3.5])]
+    markdown = report.render_markdown(dataclasses.replace(result, stage_steps=steps), None)
+    verdicts = _verdicts(markdown)
+    name = "llama.cpp stages' decode steps summed vs the whole model's, m"
+    assert verdicts[f"{name}, 1 thread(s)"] == ("1.02x", "pass")
+    assert verdicts[f"{name}, 2 thread(s)"] == ("1.08x", "**fail**")
+    assert "| m | 1 | 10.00 ms | 4.00 + 6.20 ms | 10.20 ms | 1.02x |" in markdown
+
+
 def test_a_peer_that_could_not_run_says_why(result: BenchResult) -> None:
     assert result.peers is not None
     missing = dataclasses.replace(result, peers=dataclasses.replace(
         result.peers, rpc=Skipped("not built: run `edgebus bench --build-peers`")))
     markdown = report.render_markdown(missing, None)
     assert "| llama.cpp RPC | not built: run `edgebus bench --build-peers` |" in markdown
-    assert _verdicts(markdown)["single stream, int4, 3 stages over mosquitto, vs llama.cpp RPC "
+    assert _verdicts(markdown)["single stream, gguf, 3 stages over mosquitto, vs llama.cpp RPC "
                                "(rpc-servers)"] == ("n/a", "n/a")
 
 
@@ -327,7 +341,9 @@ def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
     # int4: what the stage reported holding
     assert "| int4 (onnxruntime) over mosquitto | stage-1 | 380 MiB | 400 MiB | 500 MiB " \
         "| 400 MiB | 20 MiB |" in markdown
-    assert ("| edgebus, 3 stages over mosquitto, int4 (onnxruntime) | 40.0 | 200.0 | 300.0 ms "
+    assert ("| edgebus, 3 stages over mosquitto, int4 (onnxruntime) | 35.0 | 150.0 | 300.0 ms "
+            "| 2540 B |") in markdown
+    assert ("| edgebus, 3 stages over mosquitto, gguf (llamacpp) | 40.0 | 200.0 | 300.0 ms "
             "| 2540 B |") in markdown
     assert "| llama.cpp RPC: 3 rpc-servers of 1 thread(s) + llama-server | 25.0 | 40.0 | " \
         "300.0 ms | 216000 B |" in markdown
