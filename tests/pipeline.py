@@ -29,10 +29,10 @@ from transformers import (
 from edgebus.ask import ask
 from edgebus.messages import GenerateRequest, GenerateResponse
 from node_agent.coordinator import Coordinator, prefill_chunks
-from node_agent.engines import ContextShape, StageEngine, context_shape, load_engine
+from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
-from plant_config.schema import EngineName, WeightMode
+from plant_config.schema import EngineName, WeightMode, resolve_engine
 
 READY_TIMEOUT_S = 30.0
 
@@ -54,8 +54,8 @@ def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int,
 
 @functools.cache
 def stage_model(model_dir: Path, first: int, end: int, weights: WeightMode = "fp32",
-                engine: EngineName = "auto", shape: ContextShape | None = None) -> StageEngine:
-    return load_engine(model_dir, first, end, engine=engine, weights=weights, shape=shape)
+                engine: EngineName = "auto") -> StageEngine:
+    return load_engine(model_dir, first, end, engine=engine, weights=weights)
 
 
 @functools.cache
@@ -67,10 +67,15 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
     """Start every agent of `plant` as a task; yield the stages once the pipeline is ready."""
     stop = asyncio.Event()
-    stages = [StageAgent(plant, s.node,
-                         model=stage_model(plant.model, *s.layers, s.weights, s.engine,
-                                           context_shape(plant, s.node)))
-              for s in plant.stages]
+    # llama.cpp engines load in a fraction of a second but hold their whole KV budget from
+    # the start: each plant gets its own, closed at the end, instead of cached ones.
+    fresh = [load_engine(plant.model, *s.layers, engine=s.engine, weights=s.weights,
+                         shape=context_shape(plant, s.node))
+             if resolve_engine(s.engine, s.weights) == "llamacpp" else None
+             for s in plant.stages]
+    stages = [StageAgent(plant, s.node, model=engine or stage_model(
+                  plant.model, *s.layers, s.weights, s.engine))
+              for s, engine in zip(plant.stages, fresh, strict=True)]
     coordinator = Coordinator(plant, tokenizer=tokenizer(plant.model))
     tasks = [asyncio.create_task(agent.serve(stop)) for agent in [*stages, coordinator]]
     try:
@@ -79,6 +84,9 @@ async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
     finally:
         stop.set()
         await asyncio.gather(*tasks)
+        for engine in fresh:
+            if engine is not None:
+                engine.close()
 
 
 async def ask_all(plant: Plant, requests: Sequence[GenerateRequest]) -> list[GenerateResponse]:

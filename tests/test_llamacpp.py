@@ -19,12 +19,13 @@ import torch
 from brokers import BrokerHandle
 from gguf_models import requantize, tiny_gguf
 from llama_cpp import Llama
-from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running, stage_model
-from test_pipeline import LONG_PROMPT, SMOLLM2_SPLITS
+from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running
+from test_pipeline import MAX_TOKENS, SMOLLM2_SPLITS
+from test_pipeline import requests as pipeline_requests
 
 from edgebus.ask import ask
 from edgebus.errors import EngineError
-from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
+from edgebus.messages import GenerateRequest, GenerateResponse
 from node_agent.engines import ContextShape, load_engine
 from node_agent.engines.base import CacheFull
 from node_agent.engines.llamacpp import library, stage_gguf
@@ -32,23 +33,22 @@ from node_agent.engines.llamacpp.engine import MODEL_GGUF
 from plant_config import Plant
 
 SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
-MAX_TOKENS = 24
 # Each request books a llama.cpp sequence of prompt + max_tokens positions up front
 # (768 with these limits), and llama.cpp allocates a node's whole budget at load: a
 # budget of KV_BUDGET_MB holds 9 requests of the whole SmolLM2, 27 of a 10-layer stage.
 LIMITS = {"max_prompt_tokens": 512, "max_tokens_limit": 64}
 KV_BUDGET_MB = 160
+# For engines a test loads itself: a request of 256 positions, a few MiB of KV.
+SMALL = ContextShape(kv_budget_bytes=32 * 2**20, positions=256, batch_positions=128)
 TOPICS = ["press 3", "the conveyor", "a hydraulic pump", "the paint line", "robot cell 2"]
 
 
 def requests() -> list[GenerateRequest]:
-    """Eight requests: a chat, a prompt long enough for three chunks, and six short ones."""
+    """Eight requests: test_pipeline's chat and its prompt long enough for three chunks, and
+    six short ones."""
+    chat, long = pipeline_requests()[:2]
     return [
-        GenerateRequest(id="chat", max_tokens=MAX_TOKENS, messages=[
-            ChatMessage(role="system", content="You are a maintenance assistant in a factory."),
-            ChatMessage(role="user", content="What does a PLC do?")]),
-        GenerateRequest(id="long", prompt=LONG_PROMPT, max_tokens=MAX_TOKENS),
-        GenerateRequest(id="eos", prompt="Say yes.", max_tokens=MAX_TOKENS),
+        chat, long, GenerateRequest(id="eos", prompt="Say yes.", max_tokens=MAX_TOKENS),
         *(GenerateRequest(id=f"short-{i}", prompt=f"The most common fault of {topic} is",
                           max_tokens=MAX_TOKENS, ignore_eos=True)
           for i, topic in enumerate(TOPICS)),
@@ -146,8 +146,9 @@ def test_a_stage_file_holds_its_layers_only(smollm2_dir: Path) -> None:
 def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_dir: Path) -> None:
     """Three stages chained give the whole model's logits bit for bit, for a prompt chunk
     and for decode rows of two requests batched in one call."""
-    whole = stage_model(smollm2_dir, 0, 30, "gguf")
-    chain = [stage_model(smollm2_dir, a, b, "gguf") for a, b in SPLITS["3-stages"]]
+    whole = load_engine(smollm2_dir, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    chain = [load_engine(smollm2_dir, a, b, weights="gguf", threads=2, shape=SMALL)
+             for a, b in SPLITS["3-stages"]]
     prompts = [torch.tensor([[1, 9690, 198, 2683, 359, 253]]), torch.tensor([[1, 504, 3295]])]
 
     def run(stages: list, xs: list[torch.Tensor], caches: list, starts: list[int]) -> list:
@@ -168,9 +169,8 @@ def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_dir: Path) -> Non
         one = run([whole], rows, whole_caches, starts)
         assert all(torch.equal(a, b) for a, b in zip(split, one, strict=True))
     finally:
-        for stage, stage_caches in zip([*chain, whole], [*caches, *whole_caches], strict=True):
-            for cache in stage_caches:
-                stage.free_cache(cache)
+        for stage in [*chain, whole]:
+            stage.close()
 
 
 @pytest.mark.slow
@@ -179,9 +179,8 @@ def test_every_block_type_splits_exactly(smollm2_dir: Path, tmp_path: Path, qtyp
     """Stage files are cut from GGUFs of each block type: the chain's logits, for a prompt and
     8 greedy steps, are the whole model's bit for bit. (Q4_1 is the bundled file itself.)"""
     model_dir = requantize(smollm2_dir, tmp_path / qtype, gguf.GGMLQuantizationType[qtype])
-    shape = ContextShape(kv_budget_bytes=32 * 2**20, positions=256, batch_positions=128)
-    whole = load_engine(model_dir, 0, 30, weights="gguf", threads=2, shape=shape)
-    chain = [load_engine(model_dir, a, b, weights="gguf", threads=2, shape=shape)
+    whole = load_engine(model_dir, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    chain = [load_engine(model_dir, a, b, weights="gguf", threads=2, shape=SMALL)
              for a, b in SPLITS["3-stages"]]
     caches = [[stage.new_cache(0)] for stage in [whole, *chain]]
     x, start = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646]]), 0
