@@ -68,7 +68,7 @@ class PartBytes:
     bf16: int
     int8: int
     int4: int
-    gguf: int  # the GGUF's own blocks, as the file holds them (0: no model.gguf)
+    gguf: int = 0  # the GGUF's own blocks, as the file holds them (0: no model.gguf)
 
     def __getitem__(self, mode: WeightMode) -> int:
         value: int = getattr(self, mode)
