@@ -72,8 +72,9 @@ def kv_reservation(plant: Plant, node_id: str, config: Any) -> KvReservation:
     from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
 
     shape = context_shape(plant, node_id)
-    share = shape.sequence_positions * kv_bytes_per_token(config, spec.layers, KV_ITEM_BYTES)
-    return KvReservation(0, share, share * shape.sequences(share // shape.sequence_positions))
+    per_position = kv_bytes_per_token(config, spec.layers, KV_ITEM_BYTES)
+    share = shape.sequence_positions * per_position
+    return KvReservation(0, share, share * shape.sequences(per_position))
 
 
 def load_engine(model_dir: Path, first: int, end: int, *, engine: EngineName = "auto",

@@ -4,8 +4,8 @@ An engine runs one contiguous slice of the model: token ids or hidden states
 in, hidden states (or the last stage's logits) out, with each request's keys
 and values in a cache the engine makes (`new_cache`) and the agent hands back
 to every step: a `KVCache` of torch tensors, or a sequence of a llama.cpp
-context (llamacpp/engine.py), which holds the keys and values itself. `step` is the one entry point
-that matters: continuous batching calls it with decode rows of requests at
+context (llamacpp/engine.py), which holds the keys and values itself. `step`
+is the one entry point that matters: continuous batching calls it with decode rows of requests at
 different positions and a prompt chunk together (node_agent/ragged.py).
 
 Shapes: T_i = positions of request i in this call, H = hidden size,
@@ -127,9 +127,9 @@ class StageEngine(ABC):
         """New positions of several requests as one forward pass.
 
         xs[i]: [1, T_i] ids (first stage) or [1, T_i, H]: request i's positions
-        [starts[i], starts[i] + T_i) with history caches[i] (a cache of this engine's
-        `new_cache`; typed Any so each engine names its own cache class). Returns per request
-        [1, T_i, H] hidden states, or on the last stage [1, V] fp32 logits of
+        [starts[i], starts[i] + T_i) with history caches[i] (made by this engine's
+        `new_cache`; typed Any so each engine names its own cache class). Returns per
+        request [1, T_i, H] hidden states, or on the last stage [1, V] fp32 logits of
         its last position (None where logits[i] is False: a prompt chunk
         before the last, of which nothing is sampled).
         """

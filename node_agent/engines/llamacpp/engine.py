@@ -5,9 +5,9 @@ into one llama.cpp context. Each request is a llama.cpp *sequence* of that
 context, so its keys and values live inside llama.cpp; `new_cache` hands out a
 sequence id and `free_cache` clears it (`llama_memory_seq_rm`).
 
-    first stage:  ids [T]     ─ llama_batch.token ─> layers ─ capture l_out-{n-1} ─> [T, H]
-    middle stage: h [T, H]    ─ llama_batch.embd  ─> layers ─ capture l_out-{n-1} ─> [T, H]
-    last stage:   h [T, H]    ─ llama_batch.embd  ─> layers ─ norm ─ LM head ───────> [V] per row
+    first:  ids [T]   ─ batch.token ─> layers ─ capture l_out-{n-1} ─> [T, H]
+    middle: h [T, H]  ─ batch.embd  ─> layers ─ capture l_out-{n-1} ─> [T, H]
+    last:   h [T, H]  ─ batch.embd  ─> layers ─ norm ─ LM head ───────> [V] per row
 
 The capture is a C eval callback (capture.c): it copies the last layer's
 output and stops the graph, so a stage that is not last never computes the
