@@ -448,6 +448,9 @@ async def test_a_stage_killed_by_sigill_is_reported_with_what_to_do(
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
             online = await watch.wait(all_are(agent_ids(plant), "online"), READY_S)
+            # `up` says "online again" only of an agent it has itself seen online once;
+            # its table is printed when it has seen them all.
+            await output_says(tmp_path / "up.out", f"plant {plant.plant_id!r} is up", READY_S)
             os.kill(online[victim].pid, signal.SIGILL)
             await output_says(tmp_path / "up.out", f"{victim} online again", RESTART_S)
         up.send_signal(signal.SIGTERM)
