@@ -40,7 +40,6 @@ class Reporter:
         self.topics = topics
         self.agent_id = agent_id
         self.held_back = 0  # events counted but not published, since the last one published
-        self.total_held_back = 0
         self._tokens = float(EVENT_BURST)
         self._refilled = time.monotonic()
         self._summary: asyncio.TimerHandle | None = None
@@ -55,7 +54,6 @@ class Reporter:
         if self._tokens < 1:
             log.debug("%s %s (held back): %s", self.agent_id, kind, message)
             self.held_back += 1
-            self.total_held_back += 1
             self._schedule_summary()
             return
         self._tokens -= 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import os
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from edgebus import sd_notify
 from edgebus.client import BusClient, Presence
 from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus, Event, Plan, PlanStage
+from edgebus.messages import AgentStatus, Plan, PlanStage
 from edgebus.topics import Topics
 from plant_config import Plant
 
@@ -124,21 +123,6 @@ def sparkplug_node(plant: Plant, agent_id: str, bus: BusClient, *, identity: str
             "installed: run `pip install --no-deps pysparkplug==0.6.1` (docs/sparkplug.md says "
             "why --no-deps), or remove ops.sparkplug") from None
     return [EdgeNode(plant, agent_id, bus, identity=identity or agent_id, health=health).run()]
-
-
-async def publish_event(bus: BusClient, topics: Topics, event: Event) -> None:
-    """Best effort: an event that cannot be published is logged, never raised.
-
-    An error also becomes the agent's `last_error` in its next status.
-    """
-    log.log(logging.ERROR if event.kind == "error" else logging.INFO, "%s %s: %s",
-            event.agent_id, event.kind, event.message)
-    if (event.kind == "error" and bus.presence is not None
-            and isinstance(bus.presence.payload, StatusPayload)):
-        bus.presence.payload.last_error = event.message
-        bus.presence.payload.last_error_ts = event.ts
-    with contextlib.suppress(Exception):
-        await bus.publish(topics.events, event.model_dump_json(), qos=0)
 
 
 def configure_logging() -> None:

@@ -65,10 +65,6 @@ class BoxGroup(ABC):
     def dirs(self) -> list[Path]:
         """The group's directories, removed at teardown."""
 
-    def join(self, pid: int) -> None:
-        for path in self.procs_files():
-            path.write_text(str(pid))
-
 
 class CgroupTree(ABC):
     """Where the groups of one rehearsal live; `remove` takes them all away."""
