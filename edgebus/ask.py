@@ -20,6 +20,10 @@ from plant_config import Plant
 # How long to wait for the coordinator's retained "online" status. A request
 # published before it subscribes would be lost (no persistent session yet).
 COORDINATOR_WAIT_S = 30.0
+# How long to wait for the broker itself: the client retries after 0.25, 0.5, 1 and
+# 2 s, so a broker that is starting up is caught, and one that is not there is
+# reported as such within seconds, not blamed on the coordinator half a minute later.
+BROKER_WAIT_S = 5.0
 
 
 def default_client_id(plant: Plant) -> str:
@@ -57,6 +61,7 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
                                    (f"{response_topic}/stream", 1)])
     runner = asyncio.create_task(bus.run(on_message))
     try:
+        await _connected(bus, runner, f"{endpoint.host}:{endpoint.port}")
         try:
             await asyncio.wait_for(online.wait(), COORDINATOR_WAIT_S)
         except TimeoutError:
@@ -76,3 +81,18 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
+
+
+async def _connected(bus: BusClient, runner: asyncio.Task[None], address: str) -> None:
+    """Return once `bus` is connected; raise what is wrong if it does not connect."""
+    waiting = asyncio.create_task(bus.wait_connected())
+    await asyncio.wait({waiting, runner}, timeout=BROKER_WAIT_S,
+                       return_when=asyncio.FIRST_COMPLETED)
+    if waiting.done():
+        return
+    waiting.cancel()
+    refused = runner.exception() if runner.done() else None
+    if refused is not None:
+        raise refused  # the broker refused us (credentials, ACL): it says why
+    raise EdgebusError(f"no MQTT broker answers at {address} (the plant file's broker.url). "
+                       "Start the plant with `edgebus up PLANT.yaml`, or start its broker.")

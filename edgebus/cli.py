@@ -97,12 +97,14 @@ def _init_example(args: argparse.Namespace, gateways: list[str]) -> Plant:
 def _plan(args: argparse.Namespace) -> None:
     import json
 
-    from node_agent.profile import PROFILE_FILE, model_costs
     from plant_config import load_plant
     from plant_config.planner import evaluate, plan, plan_table, plant_boxes
 
     plant = load_plant(args.plant)
     stages = plant_boxes(plant)
+    # After the plant's own checks: the profile imports torch, seconds a mistake need not wait.
+    from node_agent.profile import PROFILE_FILE, model_costs
+
     costs, measured, fresh = model_costs(plant.model, remeasure=args.profile)
     result = plan(costs, stages)
     if args.json:

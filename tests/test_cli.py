@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from brokers import free_port
+
+from edgebus.ask import BROKER_WAIT_S
 from edgebus.cli import build_parser, mosquitto_config_parser
+from edgebus.processes import LOOPBACK
+from plant_config import make_plant, write_plant
 
 
 def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -33,3 +38,17 @@ def test_model_bundled_names_the_gguf_the_readme_imports() -> None:
     path = Path(printed)
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.read_bytes()[:4] == b"GGUF"
+
+
+
+def test_ask_with_no_broker_says_so_within_seconds(tiny_llama: Path, tmp_path: Path) -> None:
+    """Not "the coordinator is not online" half a minute later: nothing listens at all."""
+    plant = make_plant(tiny_llama, stages=1, broker="embedded", plant_id="nobroker")
+    plant = plant.model_copy(update={"broker": plant.broker.model_copy(
+        update={"host": LOOPBACK, "port": free_port()})})
+    write_plant(plant, tmp_path / "plant.yaml")
+    asked = subprocess.run([sys.executable, "-m", "edgebus", "ask", str(tmp_path / "plant.yaml"),
+                            "Hello"], capture_output=True, text=True, timeout=BROKER_WAIT_S * 12)
+    assert asked.returncode != 0
+    assert f"no MQTT broker answers at {LOOPBACK}:{plant.broker.port}" in asked.stderr
+    assert "edgebus up" in asked.stderr and "coordinator" not in asked.stderr
