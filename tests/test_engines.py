@@ -9,6 +9,7 @@ one request at a time (`pipeline.engine_tokens`).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import onnxruntime as ort
@@ -90,6 +91,16 @@ def test_graphs_are_built_once_and_reused(smollm2_dir: Path) -> None:
     load_engine(smollm2_dir, 28, 30, engine="onnxruntime", weights="int4")
     assert sorted((smollm2_dir / CACHE_DIR).glob("layers-28-30-int4-*")) == built
     assert {f.name: f.stat().st_mtime_ns for f in built[0].iterdir()} == before
+
+
+def test_building_graphs_logs_nothing_below_warning_but_its_own_lines(
+        tmp_path: Path, smollm2_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An agent logs at INFO: the exporter's per-pass lines flooded `edgebus up`."""
+    model = build_tiny("llama", tmp_path / "llama", smollm2_dir)  # no graphs cached yet
+    with caplog.at_level(logging.INFO):
+        load_engine(model, 0, 2, engine="onnxruntime", weights="int8")
+    assert (model / CACHE_DIR).is_dir()  # it did export
+    assert [r.name for r in caplog.records if not r.name.startswith("node_agent")] == []
 
 
 def test_onnx_honours_a_sliding_window(tmp_path: Path, smollm2_dir: Path) -> None:

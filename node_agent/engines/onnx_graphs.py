@@ -54,6 +54,8 @@ from edgebus.errors import EngineError
 TAP_ATTENTION = "edgebus_tap"
 # Sample positions to trace with; every length axis is exported as dynamic.
 _TRACE_POSITIONS = 3
+# What the exporter logs below ERROR is progress, of no use to a plant engineer.
+_CHATTY_LOGGERS = ("torch.onnx", "onnx_ir")
 # Roles of a template's weights, by the attribute that holds the module in _Part.
 BEFORE, AFTER, NORM, HEAD = "before", "after", "norm", "head"
 
@@ -249,12 +251,16 @@ def _torch_export(module: nn.Module, args: tuple[torch.Tensor, ...], inputs: lis
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """torch.onnx prints progress to stdout and warns that torchvision's ops are not
-    registered (edgebus uses none): keep both out of an agent's journal."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    registered (edgebus uses none), and the onnx_ir passes it runs log an INFO line
+    per graph pass ("Removed 61 unused nodes"), which flooded `edgebus up`'s output:
+    keep all of it out of an agent's journal."""
+    loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
             yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
