@@ -16,7 +16,7 @@ from typing import get_args
 from edgebus.errors import EdgebusError
 from plant_config.examples import EXAMPLES
 from plant_config.loader import DEFAULT_GATEWAYS
-from plant_config.schema import Plant, WeightMode
+from plant_config.schema import Plant, WeightMode, resolve_engine
 
 # `edgebus init`'s stage count without --stages or --example: the demo's split.
 _DEFAULT_STAGES = 3
@@ -41,7 +41,7 @@ def _init(args: argparse.Namespace) -> None:
             stages=_DEFAULT_STAGES if args.stages is None else args.stages,
             broker=args.broker or "embedded", topic_root=args.topic_root, force=args.force,
             replicas=1 if args.replicas is None else args.replicas, weights=args.weights,
-            secure=not args.insecure, gateways=gateways)
+            secure=not args.insecure, gateways=gateways, finish=_kv_budgets)
     print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers")
     for stage in plant.pipeline:
         print(f"  layers [{stage.layers[0]}, {stage.layers[1]}): {', '.join(stage.node_ids)}")
@@ -89,9 +89,21 @@ def _init_example(args: argparse.Namespace, gateways: list[str]) -> Plant:
     costs, _, _ = model_costs(Path(args.model).expanduser().resolve())
     plant = example_plant(args.example, args.model, costs, broker=args.broker,
                           topic_root=args.topic_root, weights=args.weights)
+    plant = _kv_budgets(plant)
     if not args.insecure:
         plant = with_security(plant, Path(args.plant).resolve().parent, gateways=gateways)
     return write_new_plant(plant, args.plant, force=args.force)
+
+
+def _kv_budgets(plant: Plant) -> Plant:
+    """llama.cpp nodes get KV room for a batch of the longest requests (engines/__init__)."""
+    if all(resolve_engine(s.engine, s.weights) != "llamacpp" for s in plant.stages):
+        return plant
+    from transformers import AutoConfig
+
+    from node_agent.engines import with_kv_budgets
+
+    return with_kv_budgets(plant, AutoConfig.from_pretrained(plant.model))
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -286,7 +298,8 @@ def _rehearse(args: argparse.Namespace) -> None:
     options = Options(cpu_total=args.cpus, memory_scale=args.memory_scale,
                       broker_box=args.broker_box, coordinator_box=args.coordinator_box)
     sys.exit(run_rehearse(Path(args.plant), options, requests=args.requests, tokens=args.tokens,
-                          compare_even=args.compare_even, keep=args.keep))
+                          compare_even=args.compare_even, keep=args.keep,
+                          compare_one_box=args.compare_one_box))
 
 
 def _import_gguf(args: argparse.Namespace) -> None:
@@ -460,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=48, help="tokens per request (default 48)")
     p.add_argument("--compare-even", action="store_true",
                    help="also rehearse an even split of the same boxes and compare")
+    p.add_argument("--compare-one-box", metavar="BOX",
+                   help="also rehearse the whole model on BOX alone, with the CPU and memory "
+                        "it has in the plant, and compare (the seed's 'Jetson alone')")
     p.add_argument("--keep", action="store_true",
                    help="keep the logs and plant copies (kept anyway after a failure)")
     p.set_defaults(run=_rehearse)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,14 +132,18 @@ def init_plant_file(path: str | os.PathLike[str], model_dir: str | os.PathLike[s
                     stages: int = 3, broker: str = "embedded", topic_root: str | None = None,
                     force: bool = False, replicas: int = 1, weights: WeightMode = "fp32",
                     secure: bool = True,
-                    gateways: Sequence[str] = DEFAULT_GATEWAYS) -> Plant:
+                    gateways: Sequence[str] = DEFAULT_GATEWAYS,
+                    finish: Callable[[Plant], Plant] | None = None) -> Plant:
     """Make a plant for `model_dir`, write it to `path` and return it as agents will load it.
 
     `secure`: with a `security:` section (see `with_security`); the passwords
-    themselves are made by `broker.mosquitto_config.write_credentials`.
+    themselves are made by `broker.mosquitto_config.write_credentials`. `finish`: a
+    last change before writing (`edgebus init` sizes llama.cpp nodes' KV budgets).
     """
     plant = make_plant(model_dir, stages=stages, broker=broker, topic_root=topic_root,
                        replicas=replicas, weights=weights)
+    if finish is not None:
+        plant = finish(plant)
     if secure:
         plant = with_security(plant, Path(path).resolve().parent, gateways=gateways)
     return write_new_plant(plant, path, force=force)

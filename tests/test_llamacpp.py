@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import pytest
@@ -26,11 +27,18 @@ from test_pipeline import requests as pipeline_requests
 from edgebus.ask import ask
 from edgebus.errors import EngineError
 from edgebus.messages import GenerateRequest, GenerateResponse
-from node_agent.engines import ContextShape, load_engine
+from node_agent.engines import (
+    INIT_KV_REQUESTS,
+    ContextShape,
+    context_shape,
+    load_engine,
+    with_kv_budgets,
+)
 from node_agent.engines.base import CacheFull
 from node_agent.engines.llamacpp import library, stage_gguf
-from node_agent.engines.llamacpp.engine import MODEL_GGUF
-from plant_config import Plant
+from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, MODEL_GGUF
+from node_agent.kv_cache import kv_bytes_per_token
+from plant_config import Plant, make_plant
 
 SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
 # Each request books a llama.cpp sequence of prompt + max_tokens positions up front
@@ -246,6 +254,25 @@ def test_the_kv_budget_bounds_the_requests_a_stage_holds(smollm2_dir: Path) -> N
     with pytest.raises(EngineError, match="raise kv_budget_mb"):
         load_engine(smollm2_dir, 10, 20, weights="gguf", threads=1,
                     shape=ContextShape(2**20, 1000, 128))
+
+
+def test_init_gives_a_deep_llama_cpp_stage_room_for_a_batch_of_the_longest_requests(
+        smollm2_dir: Path) -> None:
+    """The default 512 MiB holds no 5120-position request on 15 layers of the 1.3B seed
+    model (2048 wide, 16 kv heads: 600 MiB each): `edgebus init` raises it, and only there."""
+    seed = SimpleNamespace(num_attention_heads=16, num_key_value_heads=16, hidden_size=2048)
+    plant = make_plant(smollm2_dir, stages=3, weights="gguf")
+    plant = plant.model_copy(update={"stages": [
+        spec.model_copy(update={"layers": layers})
+        for spec, layers in zip(plant.stages, [(0, 4), (4, 9), (9, 24)], strict=True)]})
+    sized = with_kv_budgets(plant, seed)
+    assert [s.kv_budget_mb for s in sized.stages] == [640, 800, 2400]
+    for spec in sized.stages:
+        shape = context_shape(sized, spec.node)
+        per_position = kv_bytes_per_token(seed, spec.layers, KV_ITEM_BYTES)
+        assert shape.sequences(per_position) >= INIT_KV_REQUESTS
+    small = SimpleNamespace(num_attention_heads=16, num_key_value_heads=1, hidden_size=256)
+    assert [s.kv_budget_mb for s in with_kv_budgets(plant, small).stages] == [512] * 3
 
 
 async def test_requests_past_the_sequences_wait_or_are_told_busy(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgebus.errors import EdgebusError
-from edgebus.rehearse import even_variant, netns
+from edgebus.rehearse import Options, even_variant, netns, one_box_variant
 from edgebus.rehearse.report import cycle_time, predict
 from edgebus.rehearse.sizing import box_shares, broker_box, coordinator_box
 from edgebus.rehearse.workload import ROWS_PER_GROUP
@@ -65,6 +65,18 @@ def test_the_even_variant_keeps_boxes_and_splits_layers_evenly(tmp_path: Path) -
     even = even_variant(seed_plant(tmp_path))
     assert [s.layers for s in even.stages] == [(0, 10), (10, 20), (20, 30)]
     assert [s.node for s in even.stages] == ["pi-1", "pi-2", "jetson"]
+
+
+def test_the_one_box_variant_runs_every_layer_with_the_share_that_box_had(
+        tmp_path: Path) -> None:
+    plant = seed_plant(tmp_path)
+    alone, options = one_box_variant(plant, "jetson", Options(cpu_total=1.5, memory_scale=0.5))
+    assert [(s.node, s.layers) for s in alone.stages] == [("jetson", (0, 30))]
+    [share] = box_shares(alone, cpu_total=options.cpu_total, memory_scale=options.memory_scale)
+    assert share.cpu_cores == pytest.approx(0.9)  # as in the plant's rehearsal, not 1.5
+    assert share.memory_bytes == 3072 << 20
+    with pytest.raises(EdgebusError, match="'nas' is not a box of the plant"):
+        one_box_variant(plant, "nas", Options())
 
 
 def made_up_costs(message: MessageCost | None) -> ModelCosts:

@@ -19,8 +19,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from edgebus.errors import EdgebusError
 from edgebus.rehearse.rehearsal import Options, Rehearsal
 from edgebus.rehearse.report import box_table, predict, summary
+from edgebus.rehearse.sizing import box_shares
 from edgebus.rehearse.workload import (
     ROWS_PER_GROUP,
     Client,
@@ -35,7 +37,8 @@ from plant_config import Plant, even_split, load_plant
 # passes of a fresh process pay for allocator growth and kernel choices.
 WARMUP_TOKENS = 8
 
-__all__ = ["Options", "Rehearsal", "Workload", "rehearse_plant", "run_rehearse"]
+__all__ = ["Options", "Rehearsal", "Workload", "one_box_variant", "rehearse_plant",
+           "run_rehearse"]
 
 
 def even_variant(plant: Plant) -> Plant:
@@ -44,6 +47,28 @@ def even_variant(plant: Plant) -> Plant:
     stages = [spec.model_copy(update={"layers": ranges[stage.index]})
               for stage in plant.pipeline for spec in stage.nodes]
     return plant.model_copy(update={"stages": stages})
+
+
+def one_box_variant(plant: Plant, box: str, options: Options) -> tuple[Plant, Options]:
+    """The whole model on `box` alone, with the CPU and memory that box has in `plant`'s
+    rehearsal: what the plant's pipeline is measured against ("the Jetson alone").
+
+    Same engine and weights (with `gguf`, llama.cpp running the whole GGUF), broker and
+    coordinator on that box, as a one-box plant would run them.
+    """
+    shares = {share.box: share for share in box_shares(plant, cpu_total=options.cpu_total,
+                                                        memory_scale=options.memory_scale)}
+    if box not in shares:
+        raise EdgebusError(f"--compare-one-box {box!r} is not a box of the plant (boxes: "
+                           f"{', '.join(shares)})")
+    assert plant.boxes is not None  # box_shares refuses a plant without boxes
+    spec = next((s for s in plant.stages if s.node == box), plant.stages[-1])
+    whole = spec.model_copy(update={"node": box, "layers": (0, plant.num_layers)})
+    alone = plant.model_copy(update={
+        "boxes": [b for b in plant.boxes if b.name == box], "stages": [whole]})
+    # Alone, the box would get every core of --cpus: give it exactly its share instead.
+    return alone, Options(cpu_total=shares[box].cpu_cores, memory_scale=options.memory_scale,
+                          batch_groups=options.batch_groups)
 
 
 async def rehearse_plant(plant: Plant, workdir: Path, options: Options, workload: Workload,
@@ -64,7 +89,7 @@ async def rehearse_plant(plant: Plant, workdir: Path, options: Options, workload
 
 
 def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, tokens: int,
-                 compare_even: bool, keep: bool) -> int:
+                 compare_even: bool, keep: bool, compare_one_box: str | None = None) -> int:
     """The `edgebus rehearse` command; its exit status."""
     from node_agent.profile import model_costs
 
@@ -76,30 +101,38 @@ def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, to
     costs, _, _ = model_costs(plant.model)
     groups = options.batch_groups or len(plant.pipeline)
     workload = Workload(requests or ROWS_PER_GROUP * groups, tokens)
-    variants = [("plant file", plant)] + ([("even split", even_variant(plant))]
-                                          if compare_even else [])
+    variants = [("plant file", plant, options)]
+    if compare_even:
+        variants.append(("even split", even_variant(plant), options))
+    if compare_one_box is not None:
+        alone, alone_options = one_box_variant(plant, compare_one_box, options)
+        variants.append((f"{compare_one_box} alone", alone, alone_options))
     workdir = Path(tempfile.mkdtemp(prefix="edgebus-rehearse-"))
     results = []
     ok = False
     try:
-        for name, variant in variants:
+        for name, variant, variant_options in variants:
             progress(f"== {name}: " + ", ".join(f"{s.node} {list(s.layers)}"
                                                 for s in variant.stages))
             rehearsal, measured = asyncio.run(rehearse_plant(
-                variant, workdir / name.replace(" ", "-"), options, workload, progress))
+                variant, workdir / name.replace(" ", "-"), variant_options, workload, progress))
             prediction = predict(rehearsal.plant, costs, rehearsal.shares, workload.requests,
-                                 groups, rehearsal.broker_box, rehearsal.coordinator_box)
+                                 variant_options.batch_groups or len(variant.pipeline),
+                                 rehearsal.broker_box, rehearsal.coordinator_box)
             results.append((name, measured, prediction))
             print(f"\n{name}: broker and coordinator on {rehearsal.broker_box}"
                   + (f" / {rehearsal.coordinator_box}"
                      if rehearsal.coordinator_box != rehearsal.broker_box else ""))
             print(box_table(rehearsal.plant, measured, prediction))
             print(summary(rehearsal.plant, measured, prediction) + "\n")
-        if len(results) > 1:
-            (_, first, first_p), (_, second, second_p) = results
-            print(f"plant file against even split: measured "
-                  f"{first.decode_tok_s / second.decode_tok_s:.2f}x, predicted "
-                  f"{first_p.tok_s / second_p.tok_s:.2f}x")
+        _, first, first_p = results[0]
+        for name, other, other_p in results[1:]:
+            predicted = (f", predicted {first_p.tok_s / other_p.tok_s:.2f}x"
+                         if name == "even split" else "")
+            print(f"plant file against {name}: decode tok/s measured "
+                  f"{first.decode_tok_s / other.decode_tok_s:.2f}x{predicted}; first request "
+                  f"sent to last answer {other.wall_s:.1f} s -> {first.wall_s:.1f} s "
+                  f"({other.wall_s / first.wall_s:.2f}x faster)")
         ok = not any(measured.errors for _, measured, _ in results)
     finally:
         if keep or not ok:

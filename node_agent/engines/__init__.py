@@ -77,6 +77,27 @@ def kv_reservation(plant: Plant, node_id: str, config: Any) -> KvReservation:
     return KvReservation(0, share, share * shape.sequences(per_position))
 
 
+# `edgebus init` gives a llama.cpp node room for at least this many requests of the
+# plant's longest length: one request group's rows (node_agent/groups.py), so a batch
+# fits on every stage. llama.cpp reserves a request's whole share up front, so the
+# default 512 MiB held none on the 15-layer stage of the 1.3B seed model (600 MiB each).
+INIT_KV_REQUESTS = 4
+
+
+def with_kv_budgets(plant: Plant, config: Any) -> Plant:
+    """`plant` with each llama.cpp node's `kv_budget_mb` raised where it would hold fewer
+    than INIT_KV_REQUESTS requests (`config`: the model's)."""
+    stages = []
+    for spec in plant.stages:
+        if resolve_engine(spec.engine, spec.weights) == "llamacpp":
+            wanted = -(-INIT_KV_REQUESTS * kv_reservation(plant, spec.node, config).per_request
+                       // 2**20)
+            if wanted > spec.kv_budget_mb:
+                spec = spec.model_copy(update={"kv_budget_mb": wanted})
+        stages.append(spec)
+    return plant.model_copy(update={"stages": stages})
+
+
 def load_engine(model_dir: Path, first: int, end: int, *, engine: EngineName = "auto",
                 weights: WeightMode = "fp32", device: Device = "cpu",
                 threads: int | None = None, tune: bool = False,
