@@ -13,7 +13,9 @@ that use the same machinery.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,7 +37,8 @@ from plant_config import Plant, even_split, load_plant
 # passes of a fresh process pay for allocator growth and kernel choices.
 WARMUP_TOKENS = 8
 
-__all__ = ["Options", "Rehearsal", "Workload", "rehearse_plant", "run_rehearse"]
+__all__ = ["Options", "Rehearsal", "Workload", "clean_leftovers", "rehearse_plant",
+           "run_rehearse"]
 
 
 def even_variant(plant: Plant) -> Plant:
@@ -61,6 +64,22 @@ async def rehearse_plant(plant: Plant, workdir: Path, options: Options, workload
             measured = await measure(rehearsal, client, workload, "r-")
         progress("tearing down")
     return rehearsal, measured
+
+
+def clean_leftovers() -> int:
+    """`edgebus rehearse --clean`: remove what killed rehearsals left; its exit status."""
+    from edgebus.rehearse import leftovers
+
+    if os.geteuid() != 0:
+        print("edgebus rehearse --clean: namespaces, links and control groups can only be "
+              "removed as root (sudo)", file=sys.stderr)
+        return 1
+    removed = leftovers.clean()
+    for line in removed:
+        print(f"removed {line}")
+    if not removed:
+        print("nothing to remove: no rehearsal was left behind")
+    return 0
 
 
 def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, tokens: int,
