@@ -74,12 +74,14 @@ def clean_leftovers() -> int:
         print("edgebus rehearse --clean: namespaces, links and control groups can only be "
               "removed as root (sudo)", file=sys.stderr)
         return 1
-    removed = leftovers.clean()
+    removed, failed = leftovers.clean()
     for line in removed:
         print(f"removed {line}")
-    if not removed:
+    for line in failed:
+        print(f"could not remove all of {line}", file=sys.stderr)
+    if not removed and not failed:
         print("nothing to remove: no rehearsal was left behind")
-    return 0
+    return 1 if failed else 0
 
 
 def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, tokens: int,

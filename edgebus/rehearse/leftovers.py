@@ -87,27 +87,33 @@ def names(run: str) -> tuple[str, str, str]:
     return f"eb{run}", f"edgebus-{run}-", f"{cgroups.PREFIX}{run}"
 
 
-def clean() -> list[str]:
-    """Remove everything of rehearsals whose process is gone; what was removed, one line each.
+def clean() -> tuple[list[str], list[str]]:
+    """Remove everything of rehearsals whose process is gone: (what was removed, what could
+    not be), one line each. A run whose things could not all be removed keeps its record,
+    so that a later `--clean` tries again.
 
     A record that cannot be parsed is removed with nothing else: its run was
     killed before it built anything.
     """
     removed: list[str] = []
+    failed: list[str] = []
     live = {r.run for r in records() if r.alive()}
     for path in sorted(RECORD_DIR.glob("*.json")) if RECORD_DIR.is_dir() else []:
         run = path.stem
         if run in live:
             continue
-        removed += _clean_run(run)
+        try:
+            _clean_run(run, removed)
+        except (OSError, netns.NetworkError, cgroups.CgroupError) as exc:
+            failed.append(f"run {run}: {exc}")
+            continue
         path.unlink(missing_ok=True)
         removed.append(f"record {path}")
-    return removed
+    return removed, failed
 
 
-def _clean_run(run: str) -> list[str]:
+def _clean_run(run: str, removed: list[str]) -> None:
     links, namespaces, group = names(run)
-    removed = []
     for directory in _group_dirs(group):  # first: nothing of the run may run on
         _kill_members(directory)
     for namespace in netns.run("ip", "netns", "list").split():
@@ -127,7 +133,6 @@ def _clean_run(run: str) -> list[str]:
             child.rmdir()
         directory.rmdir()
         removed.append(f"control group {directory}")
-    return removed
 
 
 def _group_dirs(group: str) -> list[Path]:
