@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+import optional
 import pytest
 
 from edgebus.errors import EdgebusError
@@ -114,7 +115,7 @@ def test_cycle_time_is_exact_mean_value_analysis() -> None:
     assert cycle_time([5.0, 1.0], 200) == pytest.approx(200 * 5.0, rel=0.01)
 
 
-@pytest.mark.skipif(bool(netns.missing()), reason="; ".join(netns.missing()))
+@optional.needs(netns.missing(), "a rehearsal's network")
 def test_a_link_rate_changes_while_the_box_runs() -> None:
     network = netns.Network(secrets.token_hex(3))
     try:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+import optional
 
 from edgebus.rehearse import leftovers, netns
 from edgebus.rehearse.cgroups import CGROUP_ROOT, V1Tree
@@ -26,8 +26,7 @@ from plant_config import BrokerSettings, Plant, StageSpec, write_plant
 from plant_config.schema import BoxSpec, Security
 
 MISSING = missing()
-pytestmark = pytest.mark.skipif(bool(MISSING), reason="cannot rehearse here: "
-                                + "; ".join(MISSING))
+pytestmark = optional.needs(MISSING, "a rehearsal")
 
 # Up to every agent online and one tiny answer, with torch imports on 2 busy cores.
 RUN_S = 300.0
