@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -9,9 +10,12 @@ import pytest
 from brokers import BrokerHandle
 from pipeline import plant_for, running
 from plant_gateway import gateway
+from test_broker_security import secured_plant, start_secured
 
 from edgebus.ask import ask
-from edgebus.messages import GenerateRequest
+from edgebus.client import BusClient
+from edgebus.messages import GenerateRequest, GenerateResponse
+from edgebus.processes import LOOPBACK, free_port
 from node_agent.journal import MAX_BAD, Entry, Journal, default_directory, key_name
 
 
@@ -83,3 +87,35 @@ async def test_a_resumed_entry_is_answered_once_and_a_sampled_one_draws_the_same
     resumed = gw.responses["sampled"]
     assert resumed.error is None and again.error is None
     assert resumed.tokens == again.tokens and len(resumed.tokens) > 1
+
+
+async def test_a_request_journaled_before_security_was_turned_on_is_answered_once(
+        tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
+                          model=tiny_llama)
+    journal = Journal(default_directory(plant.plant_id, plant.topic_root, plant.coordinator.id))
+    # Journaled without security, with a reply topic that security now refuses.
+    elsewhere = GenerateRequest(id="before", prompt="p", max_tokens=2,
+                                reply_to=f"{plant.topic_root}/llm/response/plc-2/x")
+    journal.add(Entry("plc-1", "before", elsewhere.model_dump_json(exclude_none=True).encode()))
+    broker = start_secured("mosquitto", plant, tmp_path)
+    answers: list[GenerateResponse] = []
+    gateway = BusClient(plant.endpoint_for("plc-1"), f"{plant.plant_id}.plc-1",
+                        subscriptions=[(plant.topics.response_filter("plc-1"), 1)])
+    runner = asyncio.create_task(gateway.run(
+        lambda m: answers.append(GenerateResponse.model_validate_json(bytes(m.payload)))))
+    try:
+        await gateway.wait_connected(10)
+        async with running(plant):
+            for _ in range(600):  # the coordinator's start, on a busy machine: up to a minute
+                if answers and not journal.directory.exists():
+                    break
+                await asyncio.sleep(0.1)
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        broker.stop()
+    # On the gateway's own topic, once, and gone from the journal.
+    assert [(a.id, a.error.code if a.error else None) for a in answers] == [("before", "reply_to")]
+    assert Journal(journal.directory).open() == []
