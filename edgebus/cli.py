@@ -293,8 +293,13 @@ def _http(args: argparse.Namespace) -> None:
 
 
 def _rehearse(args: argparse.Namespace) -> None:
-    from edgebus.rehearse import Options, run_rehearse
+    from edgebus.rehearse import Options, clean_leftovers, run_rehearse
 
+    if args.clean:
+        sys.exit(clean_leftovers())
+    if args.plant is None:
+        raise EdgebusError("edgebus rehearse: give the plant file (or --clean, to remove what "
+                           "a killed rehearsal left)")
     options = Options(cpu_total=args.cpus, memory_scale=args.memory_scale,
                       broker_box=args.broker_box, coordinator_box=args.coordinator_box)
     sys.exit(run_rehearse(Path(args.plant), options, requests=args.requests, tokens=args.tokens,
@@ -457,7 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rehearse", help="run the plant on this machine, each box a network "
                                         "namespace with its CPU, memory and link (root)")
-    p.add_argument("plant", help=PLANT_HELP)
+    p.add_argument("plant", nargs="?", help="the plant file whose boxes to rehearse")
+    p.add_argument("--clean", action="store_true",
+                   help="remove the namespaces, links and control groups of rehearsals that "
+                        "were killed (kill -9) and could not tear down; running ones are kept")
     p.add_argument("--cpus", type=float, metavar="CORES",
                    help="cores all boxes share, split by speed (default 1.5, at most this "
                         "machine's)")

@@ -301,7 +301,7 @@ class Coordinator:
         for entry in self._resume:  # first, so redeliveries of these find them in flight
             self.counters["resumed"] += 1
             self._spawn(self._serve_request(entry.client, entry.payload, entry.response_topic,
-                                            entry.correlation, ack=None, resumed=True))
+                                            entry.correlation, ack=None, resumed=entry))
         self._resume = []
         try:
             await serve_until(stop, self.bus, self._on_message, self._watch_heartbeats(),
@@ -545,9 +545,10 @@ class Coordinator:
 
     async def _serve_request(self, client: str, payload: bytes, response_topic: str | None,
                              correlation: bytes | None, *, ack: Ack | None,
-                             resumed: bool = False) -> None:
+                             resumed: Entry | None = None) -> None:
         """Answer one request message. `ack` acknowledges it to the broker: called once it is
-        journaled, or answered when it is refused; `resumed`: it comes from the journal."""
+        journaled, or answered when it is refused; `resumed`: its entry, if it comes from
+        the journal."""
         received = time.perf_counter()
         done: Callable[[], None] = ack if ack is not None else _nothing
         try:
@@ -557,7 +558,9 @@ class Coordinator:
             self.reporter.report("error", f"bad request from {client}: {exc.message}", rid)
             if rid is not None:
                 reply, _ = self._reply_route(client, rid, response_topic, correlation)
-                self._respond(reply, _error_response(rid, exc))
+                await self._refuse(reply, _error_response(rid, exc), resumed)
+            elif resumed is not None:  # no id to answer: still, never again
+                await asyncio.to_thread(self.journal.remove, resumed.client, resumed.request_id)
             done()
             return
         reply, refused = self._reply_route(client, request.id, request.reply_to or response_topic,
@@ -565,7 +568,7 @@ class Coordinator:
         if refused is not None:
             self.reporter.report("error", f"request {request.id} from {client}: "
                                  f"{refused.message}", request.id)
-            self._respond(reply, _error_response(request.id, refused))
+            await self._refuse(reply, _error_response(request.id, refused), resumed)
             done()
             return
         key = (client, request.id)
@@ -581,18 +584,24 @@ class Coordinator:
         answer = self._answers[key] = asyncio.get_running_loop().create_future()
         while len(self._answers) > DEDUP_WINDOW:
             self._answers.popitem(last=False)
-        entry = Entry(client, request.id, payload, response_topic, correlation)
+        # The seed is journaled with the request: a resumed request that samples
+        # draws the same tokens again, so the deltas a gateway has already
+        # streamed stay a prefix of its answer (docs/failover.md).
+        seed = (request.seed if request.seed is not None
+                else resumed.seed if resumed is not None and resumed.seed is not None
+                else secrets.randbits(63))
+        entry = Entry(client, request.id, payload, response_topic, correlation, seed)
         journaled = False
 
         async def admitted() -> None:
             nonlocal journaled
-            journaled = await self._journal(request, entry, done, resumed=resumed)
+            journaled = await self._journal(request, entry, done, resumed=resumed is not None)
 
         if resumed:  # requests came in while the broker is still out of reach
             await self.bus.wait_connected()
         try:
-            response = await self._generate(request, reply, received, admitted, key,
-                                            resumed=resumed)
+            response = await self._generate(request, reply, received, admitted, key, seed,
+                                            resumed=resumed is not None)
         except RequestError as exc:
             if exc.code == "cancelled":  # the gateway's wish, not a fault
                 self.counters["cancelled"] += 1
@@ -613,6 +622,21 @@ class Coordinator:
         if journaled or resumed:
             # Only now: killed before the answer was out, the next run answers it.
             await asyncio.to_thread(self.journal.remove, client, request.id)
+
+    async def _refuse(self, reply: ReplyRoute, response: GenerateResponse,
+                      resumed: Entry | None) -> None:
+        """Answer a request refused before it was admitted.
+
+        A resumed one (its task renamed, or security turned on, since it was
+        journaled) would be refused again at every start: it is answered once,
+        delivered, then removed from the journal.
+        """
+        if resumed is None:
+            self._respond(reply, response)
+            return
+        await self.bus.wait_connected()
+        await self._deliver(reply, response)
+        await asyncio.to_thread(self.journal.remove, resumed.client, resumed.request_id)
 
     async def _journal(self, request: GenerateRequest, entry: Entry, ack: Callable[[], None], *,
                        resumed: bool) -> bool:
@@ -652,8 +676,8 @@ class Coordinator:
         return ReplyRoute(asked or own, correlation), None
 
     async def _generate(self, request: GenerateRequest, reply: ReplyRoute, received: float,
-                        admitted: Callable[[], Awaitable[None]], key: tuple[str, str], *,
-                        resumed: bool = False) -> GenerateResponse:
+                        admitted: Callable[[], Awaitable[None]], key: tuple[str, str],
+                        seed: int, *, resumed: bool = False) -> GenerateResponse:
         """Check the request against the plant's limits, `await admitted()`, then generate.
 
         A resumed request (from the journal) was admitted before the restart:
@@ -675,8 +699,7 @@ class Coordinator:
         self._check_fits(gen)
         self._active[gen.seq] = gen  # no await since the checks: the admission count holds
         self._by_key[key] = gen
-        rng = np.random.default_rng(request.seed if request.seed is not None
-                                    else secrets.randbits(63))
+        rng = np.random.default_rng(seed)
         k = candidates_wanted(request.temperature, request.top_k, spec.candidates)
         text = TextStream(self.tokenizer, request.stop) if request.stream or request.stop else None
         tokens: list[int] = []

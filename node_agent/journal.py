@@ -10,7 +10,8 @@ not an acknowledgement held back until the answer.
 One file per request, named by a hash of (client, id) so no id can name a path:
 written to a temporary name, fsynced and renamed, then the directory fsynced,
 so a crash leaves either the whole entry or none. The journal holds at most
-the requests admitted (`max_in_flight`), each at most a request's size limit.
+the requests admitted (`max_in_flight`), each at most a request's size limit,
+and at most `MAX_BAD` unreadable entries set aside.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SUFFIX = ".json"
+_BAD = ".bad"
+# Unreadable entries set aside for a person to look at: a few are evidence
+# of what went wrong, more only fill the disk (a disk that goes on losing
+# blocks, restart after restart). Beyond this, the oldest go.
+MAX_BAD = 16
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class Entry:
     payload: bytes  # the request message, as the gateway sent it
     response_topic: str | None = None  # MQTT 5 response topic
     correlation: bytes | None = None  # MQTT 5 correlation data
+    # The sampling seed it was first served with: served again, it draws the same tokens.
+    seed: int | None = None
 
     def to_json(self) -> str:
         return json.dumps({
@@ -46,15 +54,18 @@ class Entry:
             "payload": base64.b64encode(self.payload).decode(),
             "response_topic": self.response_topic,
             "correlation": (None if self.correlation is None
-                            else base64.b64encode(self.correlation).decode())})
+                            else base64.b64encode(self.correlation).decode()),
+            "seed": self.seed})
 
     @classmethod
     def from_json(cls, text: str) -> Entry:
         data = json.loads(text)
         correlation = data.get("correlation")
+        seed = data.get("seed")  # absent from an entry an older version wrote
         return cls(str(data["client"]), str(data["id"]), base64.b64decode(data["payload"]),
                    data.get("response_topic"),
-                   None if correlation is None else base64.b64decode(correlation))
+                   None if correlation is None else base64.b64decode(correlation),
+                   None if seed is None else int(seed))
 
 
 def key_name(client: str, request_id: str) -> str:
@@ -76,7 +87,8 @@ class Journal:
         """Return the entries a previous run left.
 
         An entry that cannot be read (a disk that lost a block) is renamed to
-        `*.bad`, logged and skipped: it must not stop the coordinator.
+        `*.bad`, logged and skipped: it must not stop the coordinator. Of those,
+        the newest `MAX_BAD` are kept.
         """
         if not self.directory.is_dir():
             return []
@@ -87,10 +99,18 @@ class Journal:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.error("journal entry %s is unreadable (%s); moved to %s.bad", path, exc,
                           path.name)
-                path.replace(path.with_suffix(".bad"))
+                path.replace(path.with_suffix(_BAD))
+        self._bound_bad()
         for stale in self.directory.glob(".*.tmp"):  # a write that a crash cut short
             stale.unlink(missing_ok=True)
         return entries
+
+    def _bound_bad(self) -> None:
+        bad = sorted(self.directory.glob(f"*{_BAD}"), key=lambda p: p.stat().st_mtime_ns)
+        for old in bad[:max(0, len(bad) - MAX_BAD)]:
+            log.warning("journal: removing %s, more than %d unreadable entries are kept",
+                        old, MAX_BAD)
+            old.unlink(missing_ok=True)
 
     def add(self, entry: Entry) -> None:
         """Write `entry` durably (blocking: call it from a worker thread)."""

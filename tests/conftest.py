@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import optional
 import pytest
 from brokers import (
     MOSQUITTO_INSTALL_HINT,
@@ -31,6 +32,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # package. Set before test modules import transformers, because
     # huggingface_hub reads the variable once, at import.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    optional.fail_skipped_modules(report)
 
 
 @pytest.fixture

@@ -5,13 +5,16 @@ client with a persistent session, as a PLC gateway's would be. The model is
 the tiny random Llama: what is under test is the coordinator's death, and a
 token-exact answer on it shows a request resumed with the right history as
 well as SmolLM2 would, for a fraction of the load and decode time. A request is
-answered once: after every expected answer, a last request is sent and
-answered, and since the coordinators' answers reach the gateway in the order
-they were sent, any second answer would have arrived before that one.
+answered once: after every expected answer, every coordinator is stopped and
+its "offline" status awaited. A coordinator publishes that status after all
+its answers, on the same connection, and the broker passes one client's
+messages on in the order it received them, so any second answer, from any
+coordinator, has arrived by then; no order between coordinators is assumed.
 """
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,6 @@ from plant_gateway import (
     send,
 )
 
-from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
 from node_agent.coordinator import Coordinator
 from node_agent.journal import default_directory
@@ -55,12 +57,15 @@ def write_plant_file(model: Path, broker: BrokerHandle, workdir: Path, plant_id:
     return path, plant
 
 
-async def answered_once(gw: Gateway, bus: BusClient, plant: Plant, expected: list[str]) -> None:
-    """Wait for `expected` answers, then for a last request's, and check each came once."""
+async def answered_once(gw: Gateway, agents: AgentProcesses, coordinators: dict[str, str],
+                        expected: list[str]) -> None:
+    """Wait for `expected` answers, stop every coordinator (agent id: process name) and
+    wait for its "offline" status, then check each request was answered once."""
     await gw.until(lambda: all(rid in gw.responses for rid in expected), WAIT_S)
-    last = requests(2, prefix="last-", count=1)
-    await send(bus, plant, last)
-    await gw.until(lambda: last[0].id in gw.responses, WAIT_S)
+    for name in coordinators.values():
+        agents.kill(name, signal.SIGTERM)
+    for agent_id in coordinators:
+        await gw.until_offline(agent_id, 60)
     twice = {rid: n for rid, n in gw.answers.items() if n != 1}
     assert not twice, f"answered more than once: {twice}"
 
@@ -88,12 +93,14 @@ async def test_a_coordinator_killed_mid_generation_answers_every_request_once_re
             agents.kill("coordinator")  # kill -9: no clean exit, no offline status of its own
             agents.start_coordinator()  # as systemd's Restart=on-failure would
             await gw.until_online([coordinator], after={coordinator: before.bdseq})
-            await answered_once(gw, bus, plant, [r.id for r in batch])
+            await gw.until_answered(batch, WAIT_S)
             # Every one of them came back from the journal, and the journal is empty again.
-            await gw.until(lambda: gw.metric(coordinator, "requests_done") >= len(batch) + 1,
+            await gw.until(lambda: gw.metric(coordinator, "requests_done") >= len(batch),
                            WAIT_S)
             assert gw.metric(coordinator, "resumed") == len(batch)
             await gw.until(lambda: not list(journal.glob("*.json")), 60)
+            await answered_once(gw, agents, {coordinator: "coordinator"},
+                                [r.id for r in batch])
     assert_exact(tiny_llama, gw, batch)
 
 
@@ -141,7 +148,7 @@ async def test_two_coordinators_share_requests_and_either_can_die(
                 print(f"round {round_}: {survivor} served {gw.metric(survivor, 'drained'):.0f} "
                       f"request(s) from {victim}'s session; {victim} resumed "
                       f"{gw.metric(victim, 'resumed'):.0f} from its journal")
-            await answered_once(gw, bus, plant, [r.id for r in everyone])
+            await answered_once(gw, agents, processes, [r.id for r in everyone])
     assert_exact(tiny_llama, gw, everyone)
 
 

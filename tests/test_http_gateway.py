@@ -27,8 +27,8 @@ from brokers import BrokerHandle
 from pipeline import plant_for, reference_tokens, running, stage_model, tokenizer
 
 from edgebus.gateways.api_keys import ensure_api_keys, key_path
-from edgebus.gateways.http import HttpGateway
-from edgebus.messages import ChatMessage, GenerateRequest
+from edgebus.gateways.http import HttpGateway, Pending, _events, _Shape
+from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse, StreamDelta
 from edgebus.processes import LOOPBACK, free_port
 from node_agent.coordinator import Coordinator
 from node_agent.stage import StageAgent
@@ -378,3 +378,23 @@ def test_without_security_it_listens_on_the_loopback_only(tiny_llama: Path,
     plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)])
     with pytest.raises(Exception, match=r"beyond this box's loopback.*--listen 127\.0\.0\.1"):
         HttpGateway(plant, listen="0.0.0.0:8000")
+
+
+async def test_a_stream_served_again_with_other_text_ends_in_an_error_not_a_stitch() -> None:
+    # A restarted coordinator serves a journaled request again from index 0; a
+    # run that drew other tokens must not be glued onto the deltas already out.
+    request = GenerateRequest(id="r", prompt="p", stream=True)
+    pending = Pending(request, asyncio.Queue(8))
+    pending.put(StreamDelta(id="r", index=0, delta="Check the"))
+    pending.put(GenerateResponse(id="r", text="Replace the seal", finish_reason="length"))
+    first = await pending.next(1)
+    lines = [line async for line in _events(pending, _Shape(True, "r", "m"), first, False, 1)]
+    assert "Replace" not in "".join(lines) and "[DONE]" not in lines
+    assert json.loads(lines[-1])["error"]["code"] == "stream_diverged"
+    # The same text again, as a resumed request with its journaled seed gives it: no error.
+    pending = Pending(request, asyncio.Queue(8))
+    pending.put(StreamDelta(id="r", index=0, delta="Check the"))
+    pending.put(GenerateResponse(id="r", text="Check the seal", finish_reason="length"))
+    first = await pending.next(1)
+    lines = [line async for line in _events(pending, _Shape(True, "r", "m"), first, False, 1)]
+    assert lines[-1] == "[DONE]" and " seal" in "".join(lines)

@@ -25,6 +25,7 @@ from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 
 import aiomqtt
+import optional
 import pytest
 from brokers import BrokerHandle, MosquittoBroker
 from pipeline import reference_tokens, running
@@ -118,7 +119,7 @@ def deploy(url: str, flow: bytes) -> None:
 async def test_a_plc_alarm_tag_gets_the_plants_answer_through_node_red(
         tiny_llama: Path, tmp_path: Path, mosquitto_broker: BrokerHandle) -> None:
     if not NODE_RED.exists() or shutil.which("node") is None:
-        pytest.skip(INSTALL_HINT)
+        optional.missing(INSTALL_HINT)
     plant = with_node_red(tmp_path / "plant", tiny_llama)
     write_mosquitto_config(plant, tmp_path / "conf", bind=LOOPBACK)
     plant_endpoint = plant.endpoint_for(GATEWAY)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+import optional
 import pytest
 
 from edgebus.errors import EdgebusError
@@ -126,7 +127,7 @@ def test_cycle_time_is_exact_mean_value_analysis() -> None:
     assert cycle_time([5.0, 1.0], 200) == pytest.approx(200 * 5.0, rel=0.01)
 
 
-@pytest.mark.skipif(bool(netns.missing()), reason="; ".join(netns.missing()))
+@optional.needs(netns.missing(), "a rehearsal's network")
 def test_a_link_rate_changes_while_the_box_runs() -> None:
     network = netns.Network(secrets.token_hex(3))
     try:
@@ -143,3 +144,16 @@ def test_a_link_rate_changes_while_the_box_runs() -> None:
         assert network.links["pi"].mbit is None
     finally:
         network.remove()
+
+
+def test_the_subnet_avoids_every_route_gateway_and_address_but_the_default() -> None:
+    routes = ("default via 10.64.7.1 dev wg0 onlink\n"  # a gateway with no route of its own
+              "0.0.0.0/1 via 10.70.0.1 dev tun0\n128.0.0.0/1 via 10.70.0.1 dev tun0\n"
+              "10.80.0.0/16 dev eth1 proto kernel scope link src 10.80.0.5\n"
+              "local 10.80.0.5 dev eth1 table local proto kernel scope host src 10.80.0.5\n"
+              "unreachable 10.90.3.0/24\n")
+    addresses = "3: wg0    inet 10.100.9.9/32 scope global wg0\\       valid_lft forever\n"
+    blocked = netns.blocked_networks(routes, addresses)
+    assert {str(net) for net in blocked} == {
+        "10.64.7.1/32", "10.70.0.1/32", "10.80.0.0/16", "10.80.0.5/32", "10.90.3.0/24",
+        "10.100.9.9/32"}

@@ -22,10 +22,12 @@ import asyncio
 import secrets
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import optional
 import pytest
 import torch
 from pipeline import reference_tokens
@@ -41,8 +43,7 @@ from plant_config import BrokerSettings, CoordinatorSpec, Liveness, Plant, Stage
 from plant_config.schema import BoxSpec
 
 MISSING = missing()
-pytestmark = pytest.mark.skipif(bool(MISSING), reason="cannot rehearse here: "
-                                + "; ".join(MISSING))
+pytestmark = optional.needs(MISSING, "a rehearsal")
 
 # Box names: stage 0 and the coordinator; stage 1; stage 1's standby and the broker.
 HEAD, TAIL, STANDBY = "box-a", "box-b", "box-c"
@@ -75,12 +76,21 @@ MIB = 1 << 20
 # stay tiny.
 KV_HEADS, HEAD_DIM = 4, 1024
 # A memory test lowers a stage box's limit to what it uses now plus this:
-# room for a decode step's scratch, a third of what its share of a batch
-# (4 requests of 13-18 prompt and TOKENS positions, crossing 64) adds to its cache.
+# room for a decode step's scratch.
 SQUEEZE_MB = 8
-# An agent the kernel killed has exited by the time its death was noticed; this
-# covers the reaping on a loaded machine.
-DEATH_SEEN_S = 10.0
+# Tokens per request of a memory test. The limit is lowered while the first
+# requests stream their first tokens (at 13-18 prompt positions, under 64),
+# however fast the CPU: up to OOM_TOKENS every request still crosses 64, 128,
+# ..., 320, each growing its cache by 6 MiB on the squeezed stage, so its share
+# of the batch (4 of the 8 requests, or all 8 when it is the stage's only
+# node) adds at least 4 x 5 x 6 = 120 MiB after the squeeze, 15 times
+# SQUEEZE_MB, whatever the CPU's speed. With TOKENS, a request crosses 64 at
+# most once, and may have done so before the squeeze on a fast CPU: on a Xeon
+# the stage missed heartbeats (`unavailable` was answered) but lived on.
+OOM_TOKENS = 320
+# How long a stage over its limit may take to be killed: the kernel reclaims
+# before it kills. The test needs the death, so it waits for it, this long at most.
+OOM_DEATH_S = ANSWER_S
 
 
 def fault_plant(model: Path) -> Plant:
@@ -130,21 +140,21 @@ def rehearsal(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield running
 
 
-def batch(prefix: str) -> list[GenerateRequest]:
+def batch(prefix: str, tokens: int = TOKENS) -> list[GenerateRequest]:
     return [GenerateRequest(id=f"{prefix}{i}", prompt=PROMPTS[i % len(PROMPTS)],
-                            max_tokens=TOKENS, ignore_eos=True, stream=True)
+                            max_tokens=tokens, ignore_eos=True, stream=True)
             for i in range(REQUESTS)]
 
 
-async def generating(rehearsal: Rehearsal, prefix: str, offline: tuple[str, ...] = ()
-                     ) -> tuple[Client, list[GenerateRequest]]:
+async def generating(rehearsal: Rehearsal, prefix: str, offline: tuple[str, ...] = (),
+                     tokens: int = TOKENS) -> tuple[Client, list[GenerateRequest]]:
     """A client, every agent but `offline` online, and a batch sent and streaming (none
     answered yet)."""
     client = await Client(rehearsal.plant).__aenter__()
     agents = [s.node for s in rehearsal.plant.stages] + [rehearsal.plant.coordinator.id]
     await wait_online(rehearsal, client, timeout=120,
                       agents=[agent for agent in agents if agent not in offline])
-    requests = batch(prefix)
+    requests = batch(prefix, tokens)
     await client.send(requests)
     seen = client.observer
     # Requests that join a group later start later; half of them streaming is mid-generation.
@@ -207,6 +217,18 @@ async def test_the_coordinator_box_cut_off_answers_every_request_once_back(
     assert_exact(model, client, requests)
     # Those open at the cut were answered after the cable was back: the cut did stall them.
     assert min(client.observer.done[r.id] for r in open_) > cut + COORDINATOR_CUT_S
+    # Once each. The coordinator publishes its "offline" status after all its answers, on
+    # one connection that the broker passes on in order: once that is in, so is any
+    # second answer. It is started again for the tests that follow.
+    coordinator = rehearsal.plant.coordinator.id
+    rehearsal.stop_agent(coordinator)
+    seen = client.observer
+    await seen.until(lambda: seen.statuses[coordinator].state == "offline", 60,
+                     "the coordinator's offline status")
+    twice = {rid: n for rid, n in seen.answers.items() if n != 1}
+    assert not twice, f"answered more than once: {twice}"
+    rehearsal.start_agent(coordinator)
+    await wait_online(rehearsal, client, agents=[coordinator], timeout=120)
     await back_online(rehearsal, client)
     await client.__aexit__()
 
@@ -223,7 +245,13 @@ def squeeze(rehearsal: Rehearsal, box: str) -> int:
 def assert_oom_killed(rehearsal: Rehearsal, box: str, kills_before: int) -> None:
     """`box`'s stage was killed (SIGKILL) by the OOM killer of its own control group."""
     # Dead already: its requests were replayed, or failed, because it died.
-    code = rehearsal.procs[box].wait(DEATH_SEEN_S)
+    group = rehearsal.groups[box]
+    try:
+        code = rehearsal.procs[box].wait(OOM_DEATH_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{box} still runs {OOM_DEATH_S:.0f} s after its answers, at "
+                             f"{group.memory_bytes() >> 20} MiB; OOM kills "
+                             f"{group.oom_kills()}: {rehearsal.log_tail(box)}") from None
     assert code == -signal.SIGKILL, f"{box} exited with {code}: {rehearsal.log_tail(box)}"
     assert rehearsal.groups[box].oom_kills() > kills_before, f"{box} died, not by the OOM killer"
     rehearsal.groups[box].set_memory(BOX_MB * MIB)
@@ -231,7 +259,7 @@ def assert_oom_killed(rehearsal: Rehearsal, box: str, kills_before: int) -> None
 
 async def test_a_stage_killed_by_its_memory_limit_fails_over_to_its_standby(
         rehearsal: Rehearsal, model: Path) -> None:
-    client, requests = await generating(rehearsal, "oom-")
+    client, requests = await generating(rehearsal, "oom-", tokens=OOM_TOKENS)
     coordinator = rehearsal.plant.coordinator.id
     failovers = client.observer.metric(coordinator, "failovers")
     kills = squeeze(rehearsal, TAIL)
@@ -248,7 +276,8 @@ async def test_a_stage_killed_by_its_memory_limit_with_no_standby_answers_unavai
     # Stage 1 with one node, the standby: the test above killed the other (stopped here
     # when this test runs on its own).
     rehearsal.stop_agent(TAIL)
-    client, requests = await generating(rehearsal, "alone-", offline=(TAIL,))
+    client, requests = await generating(rehearsal, "alone-", offline=(TAIL,),
+                                        tokens=OOM_TOKENS)
     kills = squeeze(rehearsal, STANDBY)
     await client.until_answered(requests, LIVENESS.stage_wait_s + ANSWER_S)
     assert_oom_killed(rehearsal, STANDBY, kills)

@@ -171,12 +171,20 @@ class Pending:
         return item
 
     def rest(self, response: GenerateResponse) -> str:
-        """The answer's text not yet handed out (deltas lost on a reconnect)."""
+        """The answer's text not yet handed out (deltas lost on a reconnect).
+
+        HttpError (code `stream_diverged`) if the text handed out is not where
+        the answer begins: a request served again from the start (a restarted
+        coordinator) that drew other tokens. The client must not get two runs
+        stitched into one text.
+        """
         sent = "".join(self.sent)
         if response.text.startswith(sent):
             return response.text[len(sent):]
         log.warning("request %s: streamed text is not a prefix of the answer", self.request.id)
-        return ""
+        raise HttpError(502, f"request {self.request.id} was served again from the start and "
+                             "gave another text than the one streamed so far: send it again",
+                        code="stream_diverged")
 
 
 class Gateway:
@@ -482,7 +490,11 @@ async def _events(pending: Pending, shape: _Shape, first: str | GenerateResponse
     if item.error is not None:
         yield ErrorResponse(error=plant_error(item.error).body).model_dump_json()
         return
-    rest = pending.rest(item)
+    try:
+        rest = pending.rest(item)
+    except HttpError as exc:
+        yield ErrorResponse(error=exc.body).model_dump_json()
+        return
     if rest:
         yield shape.chunk(rest)
     yield shape.chunk(None, finish=item)

@@ -13,7 +13,9 @@ that use the same machinery.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,8 +39,8 @@ from plant_config import Plant, even_split, load_plant
 # passes of a fresh process pay for allocator growth and kernel choices.
 WARMUP_TOKENS = 8
 
-__all__ = ["Options", "Rehearsal", "Workload", "one_box_variant", "rehearse_plant",
-           "run_rehearse"]
+__all__ = ["Options", "Rehearsal", "Workload", "clean_leftovers", "one_box_variant",
+           "rehearse_plant", "run_rehearse"]
 
 
 def even_variant(plant: Plant) -> Plant:
@@ -86,6 +88,24 @@ async def rehearse_plant(plant: Plant, workdir: Path, options: Options, workload
             measured = await measure(rehearsal, client, workload, "r-")
         progress("tearing down")
     return rehearsal, measured
+
+
+def clean_leftovers() -> int:
+    """`edgebus rehearse --clean`: remove what killed rehearsals left; its exit status."""
+    from edgebus.rehearse import leftovers
+
+    if os.geteuid() != 0:
+        print("edgebus rehearse --clean: namespaces, links and control groups can only be "
+              "removed as root (sudo)", file=sys.stderr)
+        return 1
+    removed, failed = leftovers.clean()
+    for line in removed:
+        print(f"removed {line}")
+    for line in failed:
+        print(f"could not remove all of {line}", file=sys.stderr)
+    if not removed and not failed:
+        print("nothing to remove: no rehearsal was left behind")
+    return 1 if failed else 0
 
 
 def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, tokens: int,

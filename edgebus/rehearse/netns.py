@@ -13,6 +13,7 @@ Names carry the run's id, so a rehearsal never meets a leftover of another.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import random
@@ -30,6 +31,12 @@ FIRST_BOX_HOST = 10
 # 10.0.x.0 and 10.1xx.x.0 ranges that Docker, VPNs and labs tend to use.
 _SUBNET_POOL = ipaddress.IPv4Network("10.64.0.0/10")
 _SUBNET_TRIES = 32
+# Routes shorter than this are default routes (0/0, or a VPN's 0/1 and 128/1):
+# they cover every subnet, and the bridge's more specific route wins over them.
+MIN_ROUTE_PREFIX = 2
+# Route types `ip route` writes before the destination.
+_ROUTE_TYPES = ("unicast", "local", "broadcast", "multicast", "unreachable", "prohibit",
+                "blackhole", "throw", "nat")
 # The token bucket holds 10 ms at the link rate (and never less than 32 KiB):
 # bursts the size of one activation frame pass at line rate, as on a switch
 # port, while a long transfer is held to the rate.
@@ -176,20 +183,45 @@ class Network:
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
-    """A /24 in the pool that no route of this machine covers or overlaps."""
-    used: list[ipaddress.IPv4Network] = []
-    for line in run("ip", "-4", "route", "show", "table", "all").splitlines():
-        word = line.split()[0] if line.split() else ""
-        if word in ("local", "broadcast", "unreachable", "prohibit", "blackhole"):
-            word = line.split()[1]
-        try:
-            used.append(ipaddress.IPv4Network(word, strict=False))
-        except ValueError:
-            continue  # "default" and the like
+    """A /24 in the pool that no route of this machine covers or overlaps.
+
+    A default route covers every address and is not counted (the bridge's own
+    route is more specific and wins), nor are the halves of a default a VPN
+    sets (0.0.0.0/1 and 128.0.0.0/1). Its gateway is counted: a default via
+    an address in the subnet, reached `onlink` with no route of its own, would
+    otherwise be cut off by the bridge. So is every address of this machine.
+    """
+    blocked = blocked_networks(run("ip", "-4", "route", "show", "table", "all"),
+                               run("ip", "-4", "-o", "addr", "show"))
     candidates: list[ipaddress.IPv4Network] = list(_SUBNET_POOL.subnets(new_prefix=PREFIX_LEN))
     for _ in range(_SUBNET_TRIES):
         subnet = random.choice(candidates)
-        if not any(subnet.overlaps(net) for net in used if net.prefixlen > 0):
+        if not any(subnet.overlaps(net) for net in blocked):
             return subnet
     raise NetworkError(f"found no free /{PREFIX_LEN} in {_SUBNET_POOL} after {_SUBNET_TRIES} "
                        "tries: the machine routes most of it — remove stale routes")
+
+
+def blocked_networks(routes: str, addresses: str) -> list[ipaddress.IPv4Network]:
+    """What a rehearsal subnet must not overlap, from `ip -4 route show table all` and
+    `ip -4 -o addr show`: every route but the default ones, every route's gateway,
+    every address of this machine."""
+    blocked = []
+    for line in routes.splitlines():
+        words = line.split()
+        if words and words[0] in _ROUTE_TYPES:
+            words = words[1:]
+        if not words:
+            continue
+        with contextlib.suppress(ValueError):  # "default" (0.0.0.0/0) and the like
+            net = ipaddress.IPv4Network(words[0], strict=False)
+            if net.prefixlen >= MIN_ROUTE_PREFIX:
+                blocked.append(net)
+        if "via" in words[:-1]:
+            with contextlib.suppress(ValueError):
+                blocked.append(ipaddress.IPv4Network(words[words.index("via") + 1]))
+    for line in addresses.splitlines():  # "2: eth0    inet 192.0.2.2/24 brd ..."
+        words = line.split()
+        if len(words) > 3 and words[2] == "inet":
+            blocked.append(ipaddress.IPv4Network(words[3], strict=False))
+    return blocked

@@ -15,6 +15,7 @@ import contextlib
 import os
 import pwd
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ from types import FrameType, TracebackType
 
 from edgebus.errors import EdgebusError
 from edgebus.processes import child_setup
-from edgebus.rehearse import cgroups, netns
+from edgebus.rehearse import cgroups, leftovers, netns
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from plant_config import Plant, write_plant
 
@@ -129,6 +130,7 @@ class Rehearsal:
         (self.workdir / "logs").mkdir(exist_ok=True)
         self.progress(f"building {len(self.shares)} boxes (run {self.run_id}): namespaces on "
                       f"bridge {self.network.bridge} ({self.network.subnet}), control groups")
+        leftovers.record(self.run_id)  # before anything is built: --clean finds it all
         self.network.create()
         self.tree = cgroups.open_tree(self.run_id)
         for share in self.shares:
@@ -156,8 +158,14 @@ class Rehearsal:
         update: dict[str, object] = {"broker": broker}
         if self.source.security is not None:
             # Certificates name the real hosts, not the rehearsal's addresses; passwords and
-            # ACLs stay.
-            update["security"] = self.source.security.model_copy(update={"tls": None})
+            # ACLs stay. The broker's configuration makes the passwords that are missing:
+            # into a copy, never into the plant's own credentials directory.
+            credentials = self.workdir / "credentials"
+            if self.source.security.credentials.is_dir():
+                shutil.copytree(self.source.security.credentials, credentials)
+            credentials.mkdir(mode=0o700, exist_ok=True)
+            update["security"] = self.source.security.model_copy(
+                update={"tls": None, "credentials": credentials})
         return self.source.model_copy(update=update)
 
     def _start_broker(self) -> None:
@@ -294,7 +302,9 @@ class Rehearsal:
         except netns.NetworkError as exc:
             errors.append(str(exc))
         if errors:
-            raise EdgebusError("teardown left something behind: " + "; ".join(errors))
+            raise EdgebusError("teardown left something behind: " + "; ".join(errors)
+                               + " — `edgebus rehearse --clean` removes it")
+        leftovers.forget(self.run_id)
 
     def _terminate(self, names: list[str]) -> None:
         procs = [self.procs[name] for name in names]

@@ -55,7 +55,8 @@ class Observer:
 
     plant: Plant
     statuses: dict[str, AgentStatus] = field(default_factory=dict)
-    responses: dict[str, GenerateResponse] = field(default_factory=dict)
+    responses: dict[str, GenerateResponse] = field(default_factory=dict)  # the first of each
+    answers: dict[str, int] = field(default_factory=dict)  # responses per request id: 1 each
     first_delta: dict[str, float] = field(default_factory=dict)
     done: dict[str, float] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -72,6 +73,7 @@ class Observer:
         else:
             response = GenerateResponse.model_validate_json(payload)
             self.responses.setdefault(response.id, response)
+            self.answers[response.id] = self.answers.get(response.id, 0) + 1
             self.done.setdefault(response.id, now)
         self.changed.set()
 
