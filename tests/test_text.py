@@ -49,7 +49,7 @@ def test_the_files_tokenizer_gives_transformers_ids_and_text(smollm2_dir: Path) 
     for request in _requests():
         ids = prompt_ids(files, request)
         assert ids == prompt_ids(reference, request), request.id
-        generated = ids[-40:] + [reference.eos_token_id]
+        generated = [*ids[-40:], reference.eos_token_id]
         assert decode(files, generated) == decode(reference, generated), request.id
 
 
