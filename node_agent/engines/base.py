@@ -6,7 +6,10 @@ and values in a cache the engine makes (`new_cache`) and the agent hands back
 to every step: a `KVCache` of torch tensors, or a sequence of a llama.cpp
 context (llamacpp/engine.py), which holds the keys and values itself. `step`
 is the one entry point that matters: continuous batching calls it with decode rows of requests at
-different positions and a prompt chunk together (node_agent/ragged.py).
+different positions and a prompt chunk together (node_agent/ragged.py). The
+stage agent calls it as `run`, on the numpy arrays frames carry: the llamacpp
+engine runs that without torch, so a llama.cpp box need not install torch
+(docs/deploy.md), and this module imports torch only where an engine uses it.
 
 Shapes: T_i = positions of request i in this call, H = hidden size,
 V = vocabulary size.
