@@ -42,11 +42,16 @@ def _requests() -> list[GenerateRequest]:
 
 
 def test_the_files_tokenizer_gives_transformers_ids_and_text(smollm2_dir: Path) -> None:
-    """The coordinator of a llama.cpp plant tokenizes without transformers: the same prompt
-    ids (chat template included), the same eos, the same decoded text."""
+    """The coordinator of a llama.cpp plant tokenizes without transformers: the same chat
+    template rendering, the same prompt ids, the same eos, the same decoded text."""
     files, reference = FileTokenizer(smollm2_dir), tokenizer(smollm2_dir)
     assert files.eos_token_id == reference.eos_token_id
     for request in _requests():
+        if request.messages is not None:
+            chat = [m.model_dump() for m in request.messages]
+            assert files.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) \
+                == reference.apply_chat_template(chat, add_generation_prompt=True,
+                                                 tokenize=False), request.id
         ids = prompt_ids(files, request)
         assert ids == prompt_ids(reference, request), request.id
         generated = [*ids[-40:], reference.eos_token_id]
