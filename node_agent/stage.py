@@ -387,8 +387,8 @@ class StageAgent:
         try:
             # A prompt chunk before the last needs no logits: nothing is sampled from it.
             outputs = self.model.run([row[1] for row in rows], [row[2] for row in rows],
-                                      [row[0].start for row in rows],
-                                      [row[0].candidates > 0 for row in rows])
+                                     [row[0].start for row in rows],
+                                     [row[0].candidates > 0 for row in rows])
         except Exception as exc:
             # A half-updated cache would poison every later step of these requests.
             reason = f"forward failed ({type(exc).__name__}: {exc})"
