@@ -55,12 +55,16 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import lz4.block
 import numpy as np
-import torch
 
 from edgebus.errors import FrameError
+
+if TYPE_CHECKING:
+    # Only the torch engine's callers hand torch tensors in: a llama.cpp box has no torch.
+    import torch
 
 MAGIC = b"EBF\x00"
 VERSION = 2
@@ -102,8 +106,10 @@ class DType(enum.IntEnum):
     UTF8 = 6
 
 
-_TORCH_DTYPES = {DType.FLOAT16: torch.float16, DType.FLOAT32: torch.float32,
-                 DType.BFLOAT16: torch.bfloat16, DType.INT32: torch.int32}
+# Little-endian, as the wire is. bfloat16 has no numpy dtype: it travels as its bits.
+_NUMPY_DTYPES: dict[DType, np.dtype[Any]] = {
+    DType.FLOAT16: np.dtype("<f2"), DType.FLOAT32: np.dtype("<f4"),
+    DType.BFLOAT16: np.dtype("<u2"), DType.INT32: np.dtype("<i4")}
 _ITEM_SIZE = {DType.FLOAT16: 2, DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.INT32: 4,
               DType.CANDIDATES: 8, DType.UTF8: 1}
 FLAG_LZ4 = 0x01
@@ -114,11 +120,22 @@ FLAG_BUSY = 0x08
 MAX_ROUTE = 255
 
 
-def dtype_code(dtype: torch.dtype) -> DType:
-    for code, known in _TORCH_DTYPES.items():
-        if known == dtype:
-            return code
-    raise FrameError(f"activation dtype {dtype} cannot be framed; use float16, bfloat16 or float32")
+def _wire_array(tensor: np.ndarray | torch.Tensor, kind: Kind) -> tuple[np.ndarray, DType]:
+    """A tensor as the contiguous array its payload is, and that array's wire dtype."""
+    if not isinstance(tensor, np.ndarray):
+        # A torch tensor: torch is loaded already, by whoever made it.
+        import torch
+
+        if tensor.dtype == torch.bfloat16:
+            return tensor.contiguous().view(torch.int16).numpy().view("<u2"), DType.BFLOAT16
+        tensor = tensor.detach().numpy()
+    if kind == Kind.TOKENS:
+        tensor = tensor.astype("<i4", copy=False)
+    for code, known in _NUMPY_DTYPES.items():
+        if code != DType.BFLOAT16 and known == tensor.dtype:
+            return np.ascontiguousarray(tensor), code
+    raise FrameError(f"activation dtype {tensor.dtype} cannot be framed; use float16, "
+                     "bfloat16 or float32")
 
 
 @dataclass(frozen=True)
@@ -142,12 +159,26 @@ class Frame:
     retry: bool = False  # an ERROR that a replay of the request can recover from
     busy: bool = False  # ... once the stage has room again: a refusal for lack of it
 
+    def array(self) -> np.ndarray:
+        """The payload as a writable numpy array of its own (TOKENS int32, HIDDEN float16 or
+        float32; bfloat16 comes as the float32 it widens to exactly)."""
+        if self.dtype not in _NUMPY_DTYPES:
+            raise FrameError(f"a {self.kind.name} frame holds no tensor: use "
+                             "candidates_arrays() or text()")
+        flat = np.frombuffer(bytearray(self.payload), dtype=_NUMPY_DTYPES[self.dtype])
+        if self.dtype == DType.BFLOAT16:
+            flat = (flat.astype("<u4") << 16).view("<f4")
+        shaped: np.ndarray = flat.reshape(self.shape)
+        return shaped
+
     def tensor(self) -> torch.Tensor:
-        """The payload as a tensor (TOKENS, HIDDEN). Shares memory with the payload."""
-        if self.dtype == DType.CANDIDATES:
-            raise FrameError("a CANDIDATES frame holds two tensors: use candidates_arrays()")
-        flat = torch.frombuffer(bytearray(self.payload), dtype=_TORCH_DTYPES[self.dtype])
-        return flat.view(self.shape)
+        """The payload as a torch tensor (TOKENS, HIDDEN), for the torch engine's callers."""
+        import torch
+
+        if self.dtype == DType.BFLOAT16:
+            bits = np.frombuffer(bytearray(self.payload), dtype="<i2").reshape(self.shape)
+            return torch.from_numpy(bits).view(torch.bfloat16)
+        return torch.from_numpy(self.array())
 
     def candidates_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32, logits float32), each of `shape`."""
@@ -175,25 +206,20 @@ class Header:
         return cls(frame.request, frame.epoch, frame.step, frame.route)
 
 
-def encode(kind: Kind, tensor: torch.Tensor, header: Header, *, start: int,
+def encode(kind: Kind, tensor: np.ndarray | torch.Tensor, header: Header, *, start: int,
            candidates: int = 1, prefill: bool = False) -> bytes:
-    """Frame one tensor (TOKENS: [1, T] ints, HIDDEN: [1, T, H] floats)."""
-    if kind == Kind.TOKENS:
-        tensor = tensor.to(torch.int32)
-    tensor = tensor.contiguous()
-    code = dtype_code(tensor.dtype)
-    raw = tensor.view(torch.uint8).numpy().data if tensor.dtype == torch.bfloat16 \
-        else tensor.numpy().data
-    count = tensor.shape[1] if tensor.dim() >= 2 else tensor.shape[0]
-    return _pack(kind, code, raw.cast("B"), tuple(tensor.shape), header, start=start,
-                 count=count, candidates=candidates, prefill=prefill)
+    """Frame one tensor, numpy or torch (TOKENS: [1, T] ints, HIDDEN: [1, T, H] floats)."""
+    array, code = _wire_array(tensor, kind)
+    count = array.shape[1] if array.ndim >= 2 else array.shape[0]
+    return _pack(kind, code, memoryview(array.data).cast("B"), tuple(array.shape), header,
+                 start=start, count=count, candidates=candidates, prefill=prefill)
 
 
-def encode_candidates(ids: torch.Tensor, logits: torch.Tensor, header: Header, *,
+def encode_candidates(ids: np.ndarray, logits: np.ndarray, header: Header, *,
                       start: int) -> bytes:
     """Frame the last stage's top-k: ids and logits are [rows, k]."""
-    payload = (ids.to(torch.int32).contiguous().numpy().tobytes()
-               + logits.to(torch.float32).contiguous().numpy().tobytes())
+    payload = (np.ascontiguousarray(ids, dtype="<i4").tobytes()
+               + np.ascontiguousarray(logits, dtype="<f4").tobytes())
     return _pack(Kind.CANDIDATES, DType.CANDIDATES, memoryview(payload), tuple(ids.shape),
                  header, start=start, count=1, candidates=ids.shape[-1])
 

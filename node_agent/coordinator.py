@@ -48,13 +48,12 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiomqtt
 import numpy as np
-import torch
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from edgebus import frames
 from edgebus.client import Ack, BusClient
@@ -76,13 +75,17 @@ from edgebus.topics import check_level
 from node_agent.engines import kv_reservation
 from node_agent.groups import Outbox
 from node_agent.journal import Entry, Journal, default_directory
+from node_agent.model_config import generation_eos, load_config
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, publish_plan, run_agent, serve_until, sparkplug_node
 from node_agent.sampling import candidates_wanted, sample_token
-from node_agent.text import TextStream, decode, prompt_ids
+from node_agent.text import TextStream, decode, load_tokenizer, prompt_ids
 from plant_config import Plant
 from plant_config.schema import resolve_engine
 from plant_config.tasks import apply_task
+
+if TYPE_CHECKING:
+    from node_agent.text import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +226,7 @@ class Peer:
 class Coordinator:
     """Serves gateway requests through the plant's stages."""
 
-    def __init__(self, plant: Plant, tokenizer: PreTrainedTokenizerBase | None = None, *,
+    def __init__(self, plant: Plant, tokenizer: Tokenizer | None = None, *,
                  batch_groups: int | None = None, instance: str | None = None,
                  journal_dir: Path | None = None) -> None:
         self.plant = plant
@@ -252,9 +255,12 @@ class Coordinator:
         self.request_filter = (f"$share/{plant.plant_id}-{self.spec.id}/"
                                f"{self.topics.request_filter}" if self.shared
                                else self.topics.request_filter)
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(plant.model)
+        # A plant all on llama.cpp may run on boxes without transformers (docs/deploy.md).
+        llamacpp_only = all(resolve_engine(spec.engine, spec.weights) == "llamacpp"
+                            for spec in plant.stages)
+        self.tokenizer = tokenizer or load_tokenizer(plant.model, transformers=not llamacpp_only)
         self.eos_ids = _eos_ids(plant, self.tokenizer)
-        config = AutoConfig.from_pretrained(plant.model)
+        config = load_config(plant.model)
         self.limits = frames.coordinator_limits(vocab=config.vocab_size,
                                                 max_in_flight=self.spec.max_in_flight,
                                                 stages=len(self.pipeline))
@@ -816,12 +822,12 @@ class Coordinator:
         todo, start = gen.history[gen.synced:], gen.synced
         if gen.synced and len(todo) == 1:  # a decode step
             self._outbox.step(gen.seq, first, frames.encode(
-                Kind.TOKENS, torch.tensor([todo]), header, start=start, candidates=candidates))
+                Kind.TOKENS, np.array([todo]), header, start=start, candidates=candidates))
             return
         offset = 0
         for size in self._feed_sizes(gen, start, len(todo)):
             last = offset + size == len(todo)
-            ids = torch.tensor([todo[offset:offset + size]])
+            ids = np.array([todo[offset:offset + size]])
             self._outbox.send(first, frames.encode(Kind.TOKENS, ids, header, start=start + offset,
                                                    candidates=candidates if last else 0,
                                                    prefill=True))
@@ -984,12 +990,9 @@ def _correlation(route: ReplyRoute) -> Properties | None:
     return props
 
 
-def _eos_ids(plant: Plant, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def _eos_ids(plant: Plant, tokenizer: Tokenizer) -> set[int]:
     """The ids `generate` stops on: generation_config's eos, else the tokenizer's."""
-    try:
-        eos = GenerationConfig.from_pretrained(plant.model).eos_token_id
-    except OSError:
-        eos = None
+    eos = generation_eos(plant.model)
     if eos is None:
         eos = tokenizer.eos_token_id
     return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())

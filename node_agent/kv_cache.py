@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+from node_agent.model_config import KV_ITEM_BYTES, kv_bytes_per_token
+
+__all__ = ["GROW_POSITIONS", "KV_ITEM_BYTES", "KVCache", "kv_bytes_per_token"]
+
 # Positions a cache's buffers grow by. Per request and stage, at most this
 # many positions' worth (63 x 15 KiB for 10 SmolLM2 layers: ~1 MiB) is spare.
 GROW_POSITIONS = 64
@@ -79,25 +83,3 @@ def _grown(old: torch.Tensor | None, like: torch.Tensor, held: int, end: int) ->
     if old is not None:
         buffer[:, :, :held] = old[:, :, :held]
     return buffer
-
-
-# Stages keep keys and values in float32, the dtype their activations run in.
-KV_ITEM_BYTES = 4
-
-
-def kv_bytes_per_token(config: Any, layers: tuple[int, int],
-                       item_bytes: int = KV_ITEM_BYTES) -> int:
-    """Bytes one position adds to a request's cache on a stage running `layers`, at
-    `item_bytes` a number (float32 here, f16 in llama.cpp).
-
-    The coordinator reserves this times a request's longest length on every
-    node of its route; a node refuses prefills past its budget.
-    """
-    heads: int = config.num_attention_heads
-    width: int
-    if getattr(config, "kv_lora_rank", None):  # MLA (DeepSeek-V2/V3) caches latents, see above
-        width = config.kv_lora_rank + config.qk_rope_head_dim
-    else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        width = 2 * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    return (layers[1] - layers[0]) * width * item_bytes

@@ -28,13 +28,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-# oneDNN runs a product of 1 or 2 rows through a slower kernel than 3 to 6
-# rows. Measured on an EPYC (AVX-512), one thread, SmolLM2's 210 decoder
-# weights: 1 row 30 ms, 2 rows 36 ms, 4 rows 26 ms. Fewer rows are padded with
-# zeros to this many; a whole-model decode step of 1 request went from 50 to
-# 46 ms, of 2 requests from 61 to 48 ms. Other CPUs differ, so a stage measures
-# it at first load (node_agent/engines/tuning.py): this is the default.
-MIN_ROWS = 4
+from node_agent.engines.base import MIN_ROWS
+
 # Output rows packed at a time: 4096 x 576 fp32 is 9 MiB of transient memory;
 # every decoder weight of SmolLM2 is one block, the head twelve.
 ROWS_PER_BLOCK = 4096

@@ -14,20 +14,28 @@ trained model and excluding it is what top-k sampling does anyway.
 from __future__ import annotations
 
 import numpy as np
-import torch
+import numpy.typing as npt
 
 
-def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, V] logits -> ([1, k] ids, [1, k] logits), most likely first.
+def top_candidates(logits: npt.NDArray[np.float32], k: int
+                   ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """[1, V] logits -> ([1, k] ids, [1, k] logits), most likely first, in numpy (a
+    llama.cpp box has no torch).
 
     k = 1 uses argmax, so greedy ties resolve to the lowest id exactly as
-    `generate(do_sample=False)` does (topk's tie order is unspecified).
+    `generate(do_sample=False)` does. For k > 1, equal logits are ordered by id,
+    lowest first (torch.topk, used before, left their order unspecified).
     """
     if k == 1:
-        ids = logits.argmax(dim=-1, keepdim=True)
-        return ids, logits.gather(-1, ids)
-    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-    return ids, values
+        ids = logits.argmax(axis=-1, keepdims=True)
+        return ids, np.take_along_axis(logits, ids, -1)
+    k = min(k, logits.shape[-1])
+    # The k largest in any order, then sorted by (-logit, id): O(V + k log k), not V log V.
+    ids = np.argpartition(-logits, k - 1, axis=-1)[..., :k]
+    values = np.take_along_axis(logits, ids, -1)
+    order = np.stack([np.lexsort((row_ids, -row_values))
+                      for row_ids, row_values in zip(ids, values, strict=True)])
+    return np.take_along_axis(ids, order, -1), np.take_along_axis(values, order, -1)
 
 
 def candidates_wanted(temperature: float, top_k: int, plant_candidates: int) -> int:

@@ -48,9 +48,10 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import aiomqtt
-import torch
+import numpy as np
 
 from edgebus import frames
 from edgebus.client import BusClient
@@ -66,7 +67,8 @@ from plant_config import Plant
 
 log = logging.getLogger(__name__)
 
-_WIRE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+_WIRE_DTYPES: dict[str, np.dtype[Any]] = {"float16": np.dtype(np.float16),
+                                           "float32": np.dtype(np.float32)}
 # Most decode rows batched into one forward pass. Past ~32 a CPU stage stops
 # gaining (the step turns compute-bound) while each row waits longer.
 MAX_BATCH = frames.MAX_BATCH_ROWS
@@ -349,7 +351,7 @@ class StageAgent:
         self._sweep()
         errors: list[str] = []
         out: dict[str, list[bytes]] = collections.defaultdict(list)
-        rows: list[tuple[Frame, torch.Tensor, Cache, str]] = []
+        rows: list[tuple[Frame, np.ndarray, Cache, str]] = []
         for frame in batch:
             try:
                 if any(frame.request == row[0].request for row in rows):
@@ -379,14 +381,14 @@ class StageAgent:
             self._compute(rows, out, errors)
         return {topic: b"".join(parts) for topic, parts in out.items() if any(parts)}, errors
 
-    def _compute(self, rows: list[tuple[Frame, torch.Tensor, Cache, str]],
+    def _compute(self, rows: list[tuple[Frame, np.ndarray, Cache, str]],
                  out: dict[str, list[bytes]], errors: list[str]) -> None:
         started = time.perf_counter()
         try:
             # A prompt chunk before the last needs no logits: nothing is sampled from it.
-            outputs = self.model.step([row[1] for row in rows], [row[2] for row in rows],
-                                      [row[0].start for row in rows],
-                                      [row[0].candidates > 0 for row in rows])
+            outputs = self.model.run([row[1] for row in rows], [row[2] for row in rows],
+                                     [row[0].start for row in rows],
+                                     [row[0].candidates > 0 for row in rows])
         except Exception as exc:
             # A half-updated cache would poison every later step of these requests.
             reason = f"forward failed ({type(exc).__name__}: {exc})"
@@ -501,19 +503,20 @@ class StageAgent:
             return self.coordinator_topic
         return self.topics.activations(stages[self.index + 1].nodes[route[self.index + 1]].node)
 
-    def _encode(self, frame: Frame, out: torch.Tensor | None) -> bytes:
+    def _encode(self, frame: Frame, out: np.ndarray | None) -> bytes:
         """out: [1, T, H] hidden states, [1, V] logits, or None: a prompt chunk before the
         last on the last stage, which sends nothing."""
         header = Header.of(frame)
         if out is None:
             return b""
         if not self.model.slice.has_head:
-            return frames.encode(Kind.HIDDEN, out.to(self.wire_dtype), header, start=frame.start,
-                                 candidates=frame.candidates, prefill=frame.prefill)
+            return frames.encode(Kind.HIDDEN, out.astype(self.wire_dtype, copy=False), header,
+                                 start=frame.start, candidates=frame.candidates,
+                                 prefill=frame.prefill)
         ids, logits = top_candidates(out, frame.candidates)
         return frames.encode_candidates(ids, logits, header, start=frame.start)
 
-    def _check_input(self, frame: Frame) -> torch.Tensor:
+    def _check_input(self, frame: Frame) -> np.ndarray:
         """The frame's tensor, or FrameError if it cannot be this stage's input."""
         first = self.model.slice.has_embedding
         expected = Kind.TOKENS if first else Kind.HIDDEN
@@ -530,18 +533,18 @@ class StageAgent:
         if frame.candidates > self.model.config.vocab_size or (
                 not frame.prefill and frame.candidates == 0):
             raise FrameError(f"asks for {frame.candidates} candidates")
-        x = frame.tensor()
+        x = frame.array()
         if first:
             if x.shape != (1, frame.count):
                 raise FrameError(f"token frame of shape {tuple(x.shape)}, expected "
                                  f"(1, {frame.count})")
             if int(x.min()) < 0 or int(x.max()) >= self.model.config.vocab_size:
                 raise FrameError("token id outside the vocabulary")
-            return x.long()
+            return x.astype(np.int64)
         if x.shape != (1, frame.count, self.model.config.hidden_size):
             raise FrameError(f"hidden-state frame of shape {tuple(x.shape)}, expected "
                              f"(1, {frame.count}, {self.model.config.hidden_size})")
-        if not torch.isfinite(x).all():
+        if not np.isfinite(x).all():
             raise FrameError("hidden states hold NaN or Inf")
         return x
 

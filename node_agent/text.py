@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from edgebus.messages import GenerateRequest
+from node_agent.tokenizer import FileTokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    # transformers' own, or the same files read without it (tokenizer.py).
+    Tokenizer: TypeAlias = PreTrainedTokenizerBase | FileTokenizer
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: GenerateRequest) -> list[int]:
+def load_tokenizer(model_dir: Path, *, transformers: bool) -> Tokenizer:
+    """The tokenizer of `model_dir`: transformers' (`transformers`), or FileTokenizer, which
+    gives the same ids and text without it, for a box without transformers."""
+    if not transformers:
+        return FileTokenizer(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def prompt_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
     """`messages` go through the model's chat template; `prompt` is used verbatim."""
     if request.messages is not None:
         chat = [m.model_dump() for m in request.messages]
@@ -20,7 +36,7 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: GenerateRequest) -> 
     return list(tokenizer(request.prompt)["input_ids"])
 
 
-def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
     """Generated ids as text, special tokens (EOS, chat markers) left out."""
     return str(tokenizer.decode(ids, skip_special_tokens=True))
 
@@ -41,7 +57,7 @@ class TextStream:
     at every step would give.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
         self._ids: list[int] = []

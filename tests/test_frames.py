@@ -7,6 +7,7 @@ import struct
 import tracemalloc
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -34,6 +35,32 @@ def test_hidden_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     assert torch.equal(frame.tensor(), h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_numpy_and_torch_frame_alike(dtype: torch.dtype) -> None:
+    """The stage agent frames numpy arrays (a llama.cpp box has no torch): the same bytes
+    as the torch tensor, and `array()` gives back its values (bfloat16 widened to float32)."""
+    h = _hidden((1, 7, 64), dtype)
+    header = Header(3, 1, 2)
+    from_torch = frames.encode(Kind.HIDDEN, h, header, start=4)
+    if dtype != torch.bfloat16:  # numpy has no bfloat16
+        assert frames.encode(Kind.HIDDEN, h.numpy(), header, start=4) == from_torch
+    array = frames.decode(from_torch).array()
+    assert array.flags.writeable
+    assert np.array_equal(array, h.to(torch.float32).numpy())
+
+
+def test_numpy_token_ids_travel_as_int32() -> None:
+    frame = frames.decode(frames.encode(Kind.TOKENS, np.array([[1, 49151, 7]]), Header(1, 0, 0),
+                                        start=0))
+    assert frame.array().dtype == np.int32
+    assert frame.array().tolist() == [[1, 49151, 7]]
+
+
+def test_other_dtypes_are_refused() -> None:
+    with pytest.raises(FrameError, match="float64 cannot be framed"):
+        frames.encode(Kind.HIDDEN, np.zeros((1, 1, 8)), Header(1, 0, 0), start=0)
+
+
 def test_tokens_travel_as_int32() -> None:
     ids = torch.tensor([[1, 49151, 7]])
     frame = frames.decode(frames.encode(Kind.TOKENS, ids, Header(1, 0, 0), start=0))
@@ -59,8 +86,8 @@ def test_compressible_payload_is_compressed() -> None:
 
 
 def test_candidates_round_trip() -> None:
-    ids = torch.tensor([[9, 4, 1]])
-    logits = torch.tensor([[3.5, 2.25, -1.0]])
+    ids = np.array([[9, 4, 1]])
+    logits = np.array([[3.5, 2.25, -1.0]], dtype=np.float32)
     got_ids, got_logits = frames.decode(frames.encode_candidates(
         ids, logits, Header(5, 0, 2), start=10)).candidates_arrays()
     assert got_ids.tolist() == [[9, 4, 1]]
@@ -240,6 +267,6 @@ def test_an_error_reason_is_cut_to_its_limit_at_a_character_boundary() -> None:
 
 def test_coordinator_limits_fit_a_whole_vocabulary_of_candidates() -> None:
     limits = frames.coordinator_limits(vocab=49152, max_in_flight=64, stages=2)
-    ids = torch.arange(49152).reshape(1, -1)
-    data = frames.encode_candidates(ids, torch.zeros(1, 49152), Header(1, 0, 0), start=3)
+    ids = np.arange(49152).reshape(1, -1)
+    data = frames.encode_candidates(ids, np.zeros((1, 49152)), Header(1, 0, 0), start=3)
     assert frames.decode_all(data, limits)[0].candidates_arrays()[0].shape == (1, 49152)

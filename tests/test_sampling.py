@@ -9,17 +9,33 @@ from node_agent.sampling import candidates_wanted, sample_token, top_candidates
 
 
 def test_greedy_candidate_is_argmax_with_lowest_id_on_ties() -> None:
-    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0]])
+    logits = np.array([[0.5, 2.0, -1.0, 2.0]], dtype=np.float32)
     ids, values = top_candidates(logits, 1)
     assert ids.tolist() == [[1]]
     assert values.tolist() == [[2.0]]
 
 
 def test_top_candidates_are_sorted() -> None:
-    logits = torch.tensor([[0.1, 3.0, 2.0, -5.0, 1.0]])
+    logits = np.array([[0.1, 3.0, 2.0, -5.0, 1.0]], dtype=np.float32)
     ids, values = top_candidates(logits, 3)
     assert ids.tolist() == [[1, 2, 4]]
     assert values.tolist() == [[3.0, 2.0, 1.0]]
+
+
+def test_equal_logits_are_ordered_by_id() -> None:
+    logits = np.array([[1.0, 2.0, 1.0, 2.0, 1.0]], dtype=np.float32)
+    assert top_candidates(logits, 4)[0].tolist() == [[1, 3, 0, 2]]
+
+
+def test_top_candidates_are_what_torch_topk_chose_before() -> None:
+    """The numpy top-k that replaced torch.topk picks the same candidates, in the same
+    order, so seeded sampling draws what it drew before (logits without ties)."""
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(7))
+    for k in (1, 2, 40, 64, 1000):
+        values, ids = torch.topk(logits, k, dim=-1)
+        got_ids, got_values = top_candidates(logits.numpy(), k)
+        assert got_ids.tolist() == ids.tolist()
+        assert np.array_equal(got_values, values.numpy())
 
 
 def test_candidates_wanted() -> None:

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from pipeline import tokenizer
 
 from edgebus.messages import ChatMessage, GenerateRequest
-from node_agent.text import TextStream, decode, prompt_ids
+from node_agent.text import TextStream, decode, load_tokenizer, prompt_ids
+from node_agent.tokenizer import FileTokenizer
 
 # A maintenance log of well over a thousand tokens, multi-byte characters included.
 LONG_TEXT = " ".join(f"Schicht {n}: Presse {n % 4} lief mit {80 + n} Hüben/min, "
@@ -20,9 +21,41 @@ LONG_TEXT = " ".join(f"Schicht {n}: Presse {n % 4} lief mit {80 + n} Hüben/min,
 DECODES_PER_ID = 4
 
 
-@pytest.fixture(scope="module")
-def tok(smollm2_dir: Path):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=["transformers", "files"])
+def tok(smollm2_dir: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer, and the same files read without it (a llama.cpp box's)."""
+    if request.param == "files":
+        return load_tokenizer(smollm2_dir, transformers=False)
     return tokenizer(smollm2_dir)
+
+
+def _requests() -> list[GenerateRequest]:
+    chats = [[ChatMessage(role="user", content="Hi")],
+             [ChatMessage(role="system", content="Answer in one line."),
+              ChatMessage(role="user", content="Press 4 stops with E-17 <|im_end|>: why?"),
+              ChatMessage(role="assistant", content="Its guard switch."),
+              ChatMessage(role="user", content="Und die Hydraulik? 温度 80 °C 🙂")]]
+    return [*(GenerateRequest(id=f"c{i}", messages=m) for i, m in enumerate(chats)),
+            *(GenerateRequest(id=f"p{i}", prompt=p) for i, p in enumerate(
+                ["The most common fault of press 3 is", "  two spaces\n\nand lines\t",
+                 "<|im_start|>user", LONG_TEXT]))]
+
+
+def test_the_files_tokenizer_gives_transformers_ids_and_text(smollm2_dir: Path) -> None:
+    """The coordinator of a llama.cpp plant tokenizes without transformers: the same chat
+    template rendering, the same prompt ids, the same eos, the same decoded text."""
+    files, reference = FileTokenizer(smollm2_dir), tokenizer(smollm2_dir)
+    assert files.eos_token_id == reference.eos_token_id
+    for request in _requests():
+        if request.messages is not None:
+            chat = [m.model_dump() for m in request.messages]
+            assert files.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) \
+                == reference.apply_chat_template(chat, add_generation_prompt=True,
+                                                 tokenize=False), request.id
+        ids = prompt_ids(files, request)
+        assert ids == prompt_ids(reference, request), request.id
+        generated = [*ids[-40:], reference.eos_token_id]
+        assert decode(files, generated) == decode(reference, generated), request.id
 
 
 def test_messages_use_the_chat_template_and_prompt_is_verbatim(tok) -> None:  # type: ignore[no-untyped-def]
@@ -108,9 +141,14 @@ def _deltas(stream: TextStream | WholeTextStream, ids: list[int]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def byte_ids(tok) -> list[int]:  # type: ignore[no-untyped-def]
+def vocab_size(smollm2_dir: Path) -> int:
+    return int(tokenizer(smollm2_dir).vocab_size)
+
+
+@pytest.fixture(scope="module")
+def byte_ids(tok, vocab_size: int) -> list[int]:  # type: ignore[no-untyped-def]
     """Ids of the byte tokens that are no character alone: pieces of multi-byte UTF-8."""
-    return [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
+    return [i for i in range(vocab_size) if tok.decode([i]) == "\ufffd"]
 
 
 # Random ids: half of them bytes of multi-byte characters (which must be held
@@ -120,8 +158,8 @@ def byte_ids(tok) -> list[int]:  # type: ignore[no-untyped-def]
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_incremental_deltas_equal_decoding_the_whole_text_each_step(  # type: ignore[no-untyped-def]
-        tok, byte_ids: list[int], data: st.DataObject) -> None:
-    token = st.one_of(st.sampled_from(byte_ids), st.integers(0, tok.vocab_size - 1))
+        tok, byte_ids: list[int], vocab_size: int, data: st.DataObject) -> None:
+    token = st.one_of(st.sampled_from(byte_ids), st.integers(0, vocab_size - 1))
     ids = data.draw(st.lists(token, max_size=30))
     whole = decode(tok, ids)
     cut = st.tuples(st.integers(0, max(0, len(whole) - 1)), st.integers(1, 4)).map(

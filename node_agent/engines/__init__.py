@@ -11,7 +11,9 @@
 
 Both keep each request's keys and values in a `KVCache` and run attention
 per request in torch (node_agent/ragged.py), so the stage agent batches
-and fails over the same way whichever engine a node runs.
+and fails over the same way whichever engine a node runs. `llamacpp`
+(llamacpp/) keeps them in llama.cpp and needs neither torch nor
+transformers: this package imports them only for the engines that do.
 """
 
 from __future__ import annotations
@@ -21,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from edgebus.frames import MAX_BATCH_ROWS
 from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
-from node_agent.kv_cache import kv_bytes_per_token
+from node_agent.model_config import kv_bytes_per_token
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
 
 if TYPE_CHECKING:
@@ -116,6 +116,9 @@ def load_engine(model_dir: Path, first: int, end: int, *, engine: EngineName = "
 
         return LlamaCppEngine(model_dir, first, end, shape=shape or DEFAULT_SHAPE,
                               threads=threads or os.cpu_count() or 1, device=device)
+    # Imported here: a llama.cpp box has no torch (docs/deploy.md).
+    import torch
+
     if tune:
         from node_agent.engines import tuning
 

@@ -6,7 +6,10 @@ and values in a cache the engine makes (`new_cache`) and the agent hands back
 to every step: a `KVCache` of torch tensors, or a sequence of a llama.cpp
 context (llamacpp/engine.py), which holds the keys and values itself. `step`
 is the one entry point that matters: continuous batching calls it with decode rows of requests at
-different positions and a prompt chunk together (node_agent/ragged.py).
+different positions and a prompt chunk together (node_agent/ragged.py). The
+stage agent calls it as `run`, on the numpy arrays frames carry: the llamacpp
+engine runs that without torch, so a llama.cpp box need not install torch
+(docs/deploy.md), and this module imports torch only where an engine uses it.
 
 Shapes: T_i = positions of request i in this call, H = hidden size,
 V = vocabulary size.
@@ -16,15 +19,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch import nn
-from transformers import PretrainedConfig
+import numpy as np
 
 from edgebus.errors import CheckpointError, EngineError
-from node_agent import packed as packed_linear
-from node_agent.kv_cache import KVCache, kv_bytes_per_token
+from node_agent.model_config import kv_bytes_per_token
+
+if TYPE_CHECKING:
+    # Only the torch and onnxruntime engines use torch: a llama.cpp box has none.
+    import torch
+    from torch import nn
+
+    from node_agent.kv_cache import KVCache
 
 
 class Cache(Protocol):
@@ -37,6 +44,13 @@ class Cache(Protocol):
     def get_seq_length(self) -> int: ...
 
 
+# oneDNN runs a product of 1 or 2 rows through a slower kernel than 3 to 6
+# rows. Measured on an EPYC (AVX-512), one thread, SmolLM2's 210 decoder
+# weights: 1 row 30 ms, 2 rows 36 ms, 4 rows 26 ms. Fewer rows are padded with
+# zeros to this many; a whole-model decode step of 1 request went from 50 to
+# 46 ms, of 2 requests from 61 to 48 ms. Other CPUs differ, so a stage measures
+# it at first load (node_agent/engines/tuning.py): this is the default.
+MIN_ROWS = 4
 # llama.cpp's own limit on sequences in one context (LLAMA_MAX_SEQ).
 MAX_SEQUENCES = 256
 # llama.cpp sizes a sequence's share of the context in multiples of this many positions.
@@ -83,7 +97,7 @@ class Kernels:
 
     threads: int
     packed: bool = True   # torch fp32: weights packed for oneDNN (node_agent/packed.py)
-    min_rows: int = packed_linear.MIN_ROWS  # torch fp32, packed: fewer rows padded to this
+    min_rows: int = MIN_ROWS  # torch fp32, packed: fewer rows padded to this
 
     def describe(self) -> dict[str, str | int | float]:
         return {"threads": self.threads, "packed": int(self.packed), "min_rows": self.min_rows}
@@ -109,7 +123,7 @@ class StageSlice:
 class StageEngine(ABC):
     """One slice of a decoder-only transformer, ready to run forward passes."""
 
-    config: PretrainedConfig
+    config: Any  # transformers' PretrainedConfig, or model_config.load_config's reading
     slice: StageSlice
     name: str  # the plant file's `engine:` value that selects this class
     # How its kernel options were chosen: "measured" or "cached" (tuning.py), "fixed"
@@ -134,8 +148,24 @@ class StageEngine(ABC):
         before the last, of which nothing is sampled).
         """
 
+    def run(self, xs: list[np.ndarray], caches: list[Any], starts: list[int],
+            logits: list[bool] | None = None) -> list[np.ndarray | None]:
+        """`step` on numpy arrays, as frames carry them: the stage agent's entry point.
+
+        xs[i]: [1, T_i] int64 ids or [1, T_i, H] float16/float32 hidden states. Returns
+        float32 arrays. Here through `step` and torch; the llamacpp engine runs it in
+        numpy, so that a stage of it never imports torch.
+        """
+        import torch
+
+        outs = self.step([torch.from_numpy(x) for x in xs], caches, starts, logits)
+        # bfloat16 widens to float32 exactly; numpy has no bfloat16.
+        return [None if out is None else out.to(torch.float32).numpy() for out in outs]
+
     def new_cache(self, epoch: int) -> Cache:
         """An empty cache for a request's route `epoch`, or CacheFull."""
+        from node_agent.kv_cache import KVCache
+
         return KVCache(epoch)
 
     def free_cache(self, cache: Cache) -> None:  # noqa: B027 (a KVCache needs nothing)
@@ -165,6 +195,8 @@ class StageEngine(ABC):
                ) -> torch.Tensor:
         """One new position for each of B requests: x [B, 1] ids or [B, 1, H] -> [B, 1, H]
         hidden states, or [B, V] logits."""
+        import torch
+
         rows = [x[i:i + 1] for i in range(x.shape[0])]
         return torch.cat([out for out in self.step(rows, caches, positions) if out is not None])
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from node_agent import packed
-from node_agent.engines.base import Kernels, StageEngine
+from node_agent.engines.base import MIN_ROWS, Kernels, StageEngine
 from node_agent.kv_cache import KVCache
 from plant_config.schema import Device, WeightMode
 
@@ -71,7 +71,7 @@ def candidates(engine: str, weights: WeightMode, threads: int | None) -> list[Ke
     counts = [threads] if threads else _thread_counts()
     if engine == "torch" and weights == "fp32" and packed.available():
         # Packed and padded to MIN_ROWS, packed unpadded, plain F.linear (MKL).
-        layouts = [(True, packed.MIN_ROWS), (True, 1), (False, 1)]
+        layouts = [(True, MIN_ROWS), (True, 1), (False, 1)]
         return [Kernels(n, p, m) for n in counts for p, m in layouts]
     return [Kernels(n) for n in counts]
 

@@ -36,18 +36,21 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
-from transformers import AutoConfig
 
 from edgebus.errors import EngineError
 from node_agent.engines.base import CacheFull, ContextShape, StageEngine, StageSlice
 from node_agent.engines.llamacpp import library, stage_gguf
-from node_agent.kv_cache import kv_bytes_per_token
+from node_agent.memory import return_freed_memory
+from node_agent.model_config import kv_bytes_per_token, load_config
 from plant_config.schema import Device
+
+if TYPE_CHECKING:
+    # Only for `step`, the torch API of tests and tools: a stage runs `run`, without torch.
+    import torch
 
 # The model's GGUF inside an imported model directory (edgebus/model_import.py).
 MODEL_GGUF = "model.gguf"
@@ -86,12 +89,15 @@ class LlamaCppEngine(StageEngine):
     def __init__(self, model_dir: Path, first: int, end: int, *, shape: ContextShape,
                  threads: int, device: Device = "cpu") -> None:
         self._llama = lowlevel = library.llama()
-        self.config = AutoConfig.from_pretrained(model_dir)
+        self.config = load_config(model_dir)
         self.slice = StageSlice(first, end, self.config.num_hidden_layers)
         self.threads, self.device = threads, device
         source = model_gguf(model_dir)
         path = stage_gguf.stage_file(source, first, end,
                                      library_version=library.library_version())
+        # A cut leaves its freed buffers in the heap (22 MiB of SmolLM2's first stage,
+        # measured): RSS should be the layers and the KV, not them.
+        return_freed_memory()
         self._file_bytes = path.stat().st_size
         params = lowlevel.llama_model_default_params()
         # cuda: every layer on the GPU; llama.cpp keeps the rest on the CPU.
@@ -173,11 +179,19 @@ class LlamaCppEngine(StageEngine):
 
     def step(self, xs: list[torch.Tensor], caches: list[Any], starts: list[int],
              logits: list[bool] | None = None) -> list[torch.Tensor | None]:
+        """`run` for callers that hold torch tensors (tests, the bench's tools)."""
+        import torch
+
+        outs = self.run([x.numpy() for x in xs], caches, starts, logits)
+        return [None if out is None else torch.from_numpy(out) for out in outs]
+
+    def run(self, xs: list[np.ndarray], caches: list[Any], starts: list[int],
+            logits: list[bool] | None = None) -> list[np.ndarray | None]:
         seqs = [cache for cache in caches if isinstance(cache, SeqCache)]
         if len(seqs) != len(xs):
             raise EngineError("the llamacpp engine runs only caches it made (new_cache)")
         wanted = logits if logits is not None else [True] * len(xs)
-        answer: list[torch.Tensor | None] = [None] * len(xs)
+        answer: list[np.ndarray | None] = [None] * len(xs)
         singles = sorted((i for i, x in enumerate(xs) if x.shape[1] == 1),
                          key=lambda i: seqs[i].seq_id)
         calls = [singles] if singles else []
@@ -189,8 +203,8 @@ class LlamaCppEngine(StageEngine):
                 answer[i] = out
         return answer
 
-    def _call(self, xs: list[torch.Tensor], seqs: list[SeqCache], starts: list[int],
-              wanted: list[bool]) -> list[torch.Tensor | None]:
+    def _call(self, xs: list[np.ndarray], seqs: list[SeqCache], starts: list[int],
+              wanted: list[bool]) -> list[np.ndarray | None]:
         """One llama_decode of these rows, in this order."""
         lowlevel, batch = self._llama, self._batch
         lengths = [x.shape[1] for x in xs]
@@ -205,9 +219,9 @@ class LlamaCppEngine(StageEngine):
         last_rows = np.cumsum(lengths) - 1
         batch.fill(starts, lengths, [s.seq_id for s in seqs])
         if self.slice.has_embedding:
-            batch.tokens(torch.cat([x[0] for x in xs]).numpy())
+            batch.tokens(np.concatenate([x[0] for x in xs]))
         else:
-            self._hidden_in[:total] = torch.cat([x[0] for x in xs]).numpy()
+            self._hidden_in[:total] = np.concatenate([x[0] for x in xs])
             batch.embeddings(self._hidden_in)
         if self.slice.has_head:
             batch.outputs_at(total, [int(r) for r, w in zip(last_rows, wanted, strict=True) if w])
@@ -227,17 +241,16 @@ class LlamaCppEngine(StageEngine):
             if self._capture.off_bytes != total * self.hidden * 4:
                 raise EngineError(f"captured {self._capture.off_bytes} bytes of hidden states, "
                                   f"expected {total * self.hidden * 4}")
-            hidden = torch.from_numpy(self._hidden_out[:total].copy())
+            hidden = self._hidden_out[:total].copy()
             bounds = np.concatenate([[0], last_rows + 1])
-            return [hidden[a:b].unsqueeze(0) for a, b in itertools.pairwise(bounds)]
-        out: list[torch.Tensor | None] = []
+            return [hidden[None, a:b] for a, b in itertools.pairwise(bounds)]
+        out: list[np.ndarray | None] = []
         for row, want in zip(last_rows, wanted, strict=True):
             if not want:
                 out.append(None)
                 continue
             pointer = lowlevel.llama_get_logits_ith(self._context, int(row))
-            out.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(self.vocab,))
-                                        .copy()).unsqueeze(0))
+            out.append(np.ctypeslib.as_array(pointer, shape=(self.vocab,)).copy()[None])
         return out
 
     def close(self) -> None:

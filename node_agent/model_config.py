@@ -1,0 +1,68 @@
+"""A model directory's config.json and generation_config.json, read without transformers.
+
+A box that runs the llamacpp engine has neither torch nor transformers
+(docs/deploy.md); what its stage agents and coordinator need of the model's
+config are a few numbers (hidden size, vocabulary, layers, attention shape)
+and the ids generation stops on, which these JSON files hold as written by
+transformers' `save_pretrained` (edgebus/model_import.py, tests/tiny_models.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from edgebus.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# Stages of the torch engine keep keys and values in float32, the dtype their activations
+# run in; llama.cpp keeps f16 (llamacpp/engine.py passes its own).
+KV_ITEM_BYTES = 4
+
+
+def load_config(model_dir: Path) -> Any:
+    """config.json of `model_dir` as an object with its keys as attributes (`hidden_size`,
+    `vocab_size`, ...), as transformers' AutoConfig reads them for the families edgebus
+    runs."""
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        values = json.loads(path.read_text())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}: import the model with "
+                              "`edgebus model import-gguf FILE.gguf DIR`") from exc
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not JSON ({exc}): import the model again") from exc
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} holds no JSON object: import the model again")
+    return SimpleNamespace(**values)
+
+
+def generation_eos(model_dir: Path) -> int | list[int] | None:
+    """The ids `generate` stops on, from generation_config.json (None: no such file or key)."""
+    try:
+        values = json.loads((Path(model_dir) / GENERATION_CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    eos = values.get("eos_token_id") if isinstance(values, dict) else None
+    return eos if isinstance(eos, int | list) else None
+
+
+def kv_bytes_per_token(config: Any, layers: tuple[int, int],
+                       item_bytes: int = KV_ITEM_BYTES) -> int:
+    """Bytes one position adds to a request's cache on a stage running `layers`, at
+    `item_bytes` a number (float32 in the torch engine, f16 in llama.cpp).
+
+    The coordinator reserves this times a request's longest length on every
+    node of its route; a node refuses prefills past its budget.
+    """
+    heads: int = config.num_attention_heads
+    width: int
+    if getattr(config, "kv_lora_rank", None):  # MLA (DeepSeek-V2/V3) caches latents (kv_cache.py)
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        width = 2 * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    return (layers[1] - layers[0]) * width * item_bytes
