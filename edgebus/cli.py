@@ -99,11 +99,10 @@ def _kv_budgets(plant: Plant) -> Plant:
     """llama.cpp nodes get KV room for a batch of the longest requests (engines/__init__)."""
     if all(resolve_engine(s.engine, s.weights) != "llamacpp" for s in plant.stages):
         return plant
-    from transformers import AutoConfig
-
     from node_agent.engines import with_kv_budgets
+    from node_agent.model_config import load_config
 
-    return with_kv_budgets(plant, AutoConfig.from_pretrained(plant.model))
+    return with_kv_budgets(plant, load_config(plant.model))
 
 
 def _plan(args: argparse.Namespace) -> None:

@@ -37,7 +37,7 @@ from node_agent.engines import (
 from node_agent.engines.base import CacheFull
 from node_agent.engines.llamacpp import library, stage_gguf
 from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, MODEL_GGUF
-from node_agent.kv_cache import kv_bytes_per_token
+from node_agent.model_config import kv_bytes_per_token
 from plant_config import Plant, make_plant
 
 SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
