@@ -53,6 +53,14 @@ CLOSE_TIMEOUT_S = 2.0
 # restart of a few seconds leaves far fewer; past the bound the agents' replay
 # after the reconnect recovers what they carried, so holding more buys nothing.
 MAX_WAITING_SENDS = 1024
+# QoS 1 messages paho may hold while connected: sent and not yet acknowledged, or
+# queued behind its in-flight window (20). A healthy plant holds about one step's
+# messages (one per request group and a stream delta per streaming request: under
+# 100 at max_in_flight 64); more means a broker that stopped reading, and then
+# each message waits in memory, a prefill frame up to 1 MiB. Past the bound `send`
+# refuses messages (counted in `unsent`, like MAX_WAITING_SENDS; a lost frame is
+# replayed, a lost stream delta is in the final answer) and `publish` waits.
+MAX_QUEUED_OUT = 512
 # How long the broker keeps a persistent session (MQTT 5) after a disconnect:
 # a day covers a coordinator box being down over a shift; requests queued
 # longer than that are better re-sent by the gateway.
@@ -157,6 +165,7 @@ class BusClient:
             max_queued_incoming_messages=0, **session)  # type: ignore[arg-type]
         if self.manual_ack:
             client._client.manual_ack_set(True)  # the paho client under aiomqtt
+        client._client.max_queued_messages_set(MAX_QUEUED_OUT)
         return client
 
     async def run(self, handler: MessageHandler) -> None:
@@ -282,6 +291,14 @@ class BusClient:
             info = client._client.publish(  # the paho client under aiomqtt
                 topic, payload, qos, False, properties if self.mqtt5 else None)
             if info.rc == paho.MQTT_ERR_SUCCESS:
+                return
+            if info.rc == paho.MQTT_ERR_QUEUE_SIZE:
+                self.unsent += 1
+                # Once per doubling: a broker that stopped reading must not flood the log too.
+                if self.unsent & (self.unsent - 1) == 0:
+                    log.error("not sending to %s: %d messages wait for the broker's "
+                              "acknowledgement (%d refused so far); the broker is not reading",
+                              topic, MAX_QUEUED_OUT, self.unsent)
                 return
         if len(self._sending) >= MAX_WAITING_SENDS:
             self.unsent += 1
