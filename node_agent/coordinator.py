@@ -97,7 +97,7 @@ log = logging.getLogger(__name__)
 DEDUP_BYTES = 32 * 2**20
 # What one remembered answer costs beyond its text and tokens: the key, the
 # future and the response's pydantic objects (a short error answer measured
-# 2.5 KB in all with tracemalloc, CPython 3.12).
+# 2.5 KB in all with tracemalloc, CPython 3.11).
 DEDUP_ENTRY_BYTES = 2560
 # A token id in a Python list: the pointer and the int object (ids past 256 are
 # not shared).
