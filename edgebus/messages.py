@@ -261,6 +261,19 @@ def _find_unbounded(data: object) -> tuple[str, _Unbounded] | None:
     return None
 
 
+def unbounded_number(payload: bytes) -> tuple[str, str] | None:
+    """Where the JSON `payload` holds a number past MAX_NUMBER_CHARS or not finite, and
+    why; None if it holds none (or is not JSON). For parsers that can only say at
+    which column a number was too large (pydantic's)."""
+    try:
+        data = json.loads(payload, parse_int=_bounded_int, parse_float=_bounded_float,
+                          parse_constant=_Unbounded)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    found = _find_unbounded(data)
+    return None if found is None else (found[0], found[1].why)
+
+
 def salvage_id(payload: bytes) -> str | None:
     """The id of a request that failed validation, if it can name a reply topic."""
     try:

@@ -198,11 +198,19 @@ async def test_bad_input_is_400_with_openais_error_object(tiny_llama: Path,
             model="gpt-4o", messages=[{"role": "user", "content": "hi"}]))).status_code == 404
         big = await _raw(f"{gateway.url}/completions", b"x" * (300 * 1024))
         garbage = await _raw(f"{gateway.url}/completions", b"{not json")
+        # Numbers past any field's bound, named by their field.
+        digits = await _raw(f"{gateway.url}/completions",
+                            b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}")
+        stop = await _raw(f"{gateway.url}/completions",
+                          b'{"prompt": "x", "stop": ["' + b"s" * 300 + b'"]}')
         # Still serving after all that.
         ok = await api.completions.create(model=tiny_llama.name, prompt=PROMPT, max_tokens=2)
     assert big[0] == 413 and big[1]["error"]["code"] == "too_large"
     assert garbage[0] == 400
     assert set(garbage[1]["error"]) == {"message", "type", "param", "code"}
+    assert digits[0] == 400 and digits[1]["error"]["param"] == "max_tokens"
+    assert digits[1]["error"]["message"].startswith("max_tokens: a number of 5000 characters")
+    assert stop[0] == 400 and stop[1]["error"]["param"] == "stop.0"
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 

@@ -67,6 +67,7 @@ from edgebus.messages import (
     GenerateResponse,
     StreamDelta,
     describe,
+    unbounded_number,
 )
 from plant_config import Plant
 from plant_config.loader import DEFAULT_HTTP_GATEWAY
@@ -328,6 +329,11 @@ def _parse(model: type[_Model], body: bytes) -> _Model:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
+        # pydantic's JSON parser names only the column of a number too large for it.
+        if any(err["type"] == "json_invalid" for err in exc.errors()) and (
+                found := unbounded_number(body)) is not None:
+            raise HttpError(400, f"{found[0]}: {found[1]}", code="invalid_request",
+                            param=found[0]) from None
         raise _invalid(exc) from None
 
 
