@@ -287,7 +287,12 @@ class Coordinator:
         self._per_client: collections.Counter[str] = collections.Counter()  # requests in flight
         # Tokenizing a 256 KiB prompt takes a good fraction of a second: on the event
         # loop it would hold up every other request's step. One thread: requests being
-        # admitted are few (the broker's in-flight window) and wait their turn.
+        # admitted are few (the broker's in-flight window) and wait their turn. The
+        # loop decodes with the same tokenizer meanwhile: a fast tokenizer without
+        # truncation or padding set is only read by both (8 s of both at once with
+        # SmolLM2's: no error). A first encode clears what a tokenizer file sets of
+        # them, a write, so it happens here, before any thread shares the tokenizer.
+        self.tokenizer("")
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="coordinator-tokenize")
         # Every task this agent starts: at most max_in_flight requests being served,
         # the broker's in-flight window of requests being admitted (they are
