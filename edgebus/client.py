@@ -57,10 +57,10 @@ MAX_WAITING_SENDS = 1024
 # Bytes of the messages `send` handed to paho while connected that the broker has
 # not acknowledged yet (sent, or queued behind paho's in-flight window of 20). A
 # healthy plant holds about one step's messages, a few MiB at most (a SmolLM2
-# prefill chunk is a 288 KiB frame); a flood of frames answered with ERROR frames
-# by a stage on a loaded 2-core box held over 1000 messages of ~16 KiB (the flood
-# test of tests/test_bounds.py, which a 512-message bound broke). More means a
-# broker that stopped reading. Past the bound `send` refuses messages (counted in
+# prefill chunk is a 288 KiB frame); a stage answering a flood of frames with
+# ERROR messages of ~12 KiB (64 frames of 181 bytes) on a loaded 2-core box needed
+# more than 512 of them (the flood test of tests/test_bounds.py: a 512-message
+# bound refused 570 of its ~1500). More means a broker that stopped reading. Past the bound `send` refuses messages (counted in
 # `unsent`, like MAX_WAITING_SENDS; a lost frame is replayed, a lost stream delta
 # is in the final answer).
 MAX_QUEUED_OUT_BYTES = 64 * 2**20
