@@ -60,9 +60,9 @@ MAX_WAITING_SENDS = 1024
 # prefill chunk is a 288 KiB frame); a stage answering a flood of frames with
 # ERROR messages of ~12 KiB (64 frames of 181 bytes) on a loaded 2-core box needed
 # more than 512 of them (the flood test of tests/test_bounds.py: a 512-message
-# bound refused 570 of its ~1500). More means a broker that stopped reading. Past the bound `send` refuses messages (counted in
-# `unsent`, like MAX_WAITING_SENDS; a lost frame is replayed, a lost stream delta
-# is in the final answer).
+# bound refused 570 of its ~1500). More means a broker that stopped reading. Past
+# the bound `send` refuses messages (counted in `unsent`, like MAX_WAITING_SENDS;
+# a lost frame is replayed, a lost stream delta is in the final answer).
 MAX_QUEUED_OUT_BYTES = 64 * 2**20
 # What paho keeps per queued message beyond its payload (the message object, the
 # topic), so that a stream of tiny messages is bounded too.
