@@ -231,21 +231,26 @@ def _status(args: argparse.Namespace) -> None:
 
 
 def _ask(args: argparse.Namespace) -> None:
+    from pydantic import ValidationError
+
     from edgebus.ask import ask
-    from edgebus.messages import ChatMessage, GenerateRequest
+    from edgebus.messages import ChatMessage, GenerateRequest, describe
     from plant_config import load_plant
 
     plant = load_plant(args.plant)
     if (args.text is None) == (args.task is None):
         raise EdgebusError("give the TEXT to ask, or --task NAME with --var NAME=VALUE each")
     knobs = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    request = GenerateRequest.model_validate({
-        "id": secrets.token_hex(6), "seed": args.seed, "stream": args.stream,
-        # Unset knobs stay unset, so a task's own defaults apply.
-        **{key: value for key, value in knobs.items() if value is not None},
-        **({"task": args.task, "vars": task_vars(plant, args.task, args.var)} if args.task
-           else {"prompt": args.text} if args.raw
-           else {"messages": [ChatMessage(role="user", content=args.text)]})})
+    try:
+        request = GenerateRequest.model_validate({
+            "id": secrets.token_hex(6), "seed": args.seed, "stream": args.stream,
+            # Unset knobs stay unset, so a task's own defaults apply.
+            **{key: value for key, value in knobs.items() if value is not None},
+            **({"task": args.task, "vars": task_vars(plant, args.task, args.var)} if args.task
+               else {"prompt": args.text} if args.raw
+               else {"messages": [ChatMessage(role="user", content=args.text)]})})
+    except ValidationError as exc:  # a knob out of range: say which, as the coordinator would
+        raise EdgebusError(f"invalid_request: {describe(exc)}") from None
 
     def show(delta: str) -> None:
         print(delta, end="", flush=True)

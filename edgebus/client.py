@@ -27,12 +27,13 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import aiomqtt
 import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
 
 from edgebus.errors import BusError
 from plant_config import BrokerEndpoint
@@ -53,6 +54,19 @@ CLOSE_TIMEOUT_S = 2.0
 # restart of a few seconds leaves far fewer; past the bound the agents' replay
 # after the reconnect recovers what they carried, so holding more buys nothing.
 MAX_WAITING_SENDS = 1024
+# Bytes of the messages `send` handed to paho while connected that the broker has
+# not acknowledged yet (sent, or queued behind paho's in-flight window of 20). A
+# healthy plant holds about one step's messages, a few MiB at most (a SmolLM2
+# prefill chunk is a 288 KiB frame); a stage answering a flood of frames with
+# ERROR messages of ~12 KiB (64 frames of 181 bytes) on a loaded 2-core box needed
+# more than 512 of them (the flood test of tests/test_bounds.py: a 512-message
+# bound refused 570 of its ~1500). More means a broker that stopped reading. Past
+# the bound `send` refuses messages (counted in `unsent`, like MAX_WAITING_SENDS;
+# a lost frame is replayed, a lost stream delta is in the final answer).
+MAX_QUEUED_OUT_BYTES = 64 * 2**20
+# What paho keeps per queued message beyond its payload (the message object, the
+# topic), so that a stream of tiny messages is bounded too.
+QUEUED_MESSAGE_BYTES = 256
 # How long the broker keeps a persistent session (MQTT 5) after a disconnect:
 # a day covers a coordinator box being down over a shift; requests queued
 # longer than that are better re-sent by the gateway.
@@ -115,7 +129,9 @@ class BusClient:
     reconnect: bool = True
     # MQTT 5 session expiry for a persistent session.
     session_expiry_s: int = SESSION_EXPIRY_S
-    unsent: int = field(default=0, init=False)  # messages refused at MAX_WAITING_SENDS
+    unsent: int = field(default=0, init=False)  # messages refused at either bound
+    queued_bytes: int = field(default=0, init=False)  # MAX_QUEUED_OUT_BYTES' count
+    _queued: dict[int, int] = field(default_factory=dict, init=False)  # mid: bytes
     _client: aiomqtt.Client | None = field(default=None, init=False)
     _deferred: set[int] = field(default_factory=set, init=False)  # id() of deferred messages
     _connected: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -157,6 +173,16 @@ class BusClient:
             max_queued_incoming_messages=0, **session)  # type: ignore[arg-type]
         if self.manual_ack:
             client._client.manual_ack_set(True)  # the paho client under aiomqtt
+        # A new connection: what the last one queued is gone with it.
+        self._queued.clear()
+        self.queued_bytes = 0
+
+        def on_publish(paho_client: paho.Client, userdata: Any, mid: int,
+                       reason: ReasonCode, properties: Properties) -> None:
+            self.queued_bytes -= self._queued.pop(mid, 0)
+            client._on_publish(paho_client, userdata, mid, reason, properties)  # aiomqtt's own
+
+        client._client.on_publish = on_publish
         return client
 
     async def run(self, handler: MessageHandler) -> None:
@@ -279,9 +305,21 @@ class BusClient:
         """
         client = self._client
         if client is not None and self._connected.is_set():
+            size = len(payload) + QUEUED_MESSAGE_BYTES
+            if self.queued_bytes + size > MAX_QUEUED_OUT_BYTES:
+                self.unsent += 1
+                # Once per doubling: a broker that stopped reading must not flood the log too.
+                if self.unsent & (self.unsent - 1) == 0:
+                    log.error("not sending to %s: %d bytes wait for the broker's "
+                              "acknowledgement (%d messages refused so far); the broker is "
+                              "not reading", topic, self.queued_bytes, self.unsent)
+                return
             info = client._client.publish(  # the paho client under aiomqtt
                 topic, payload, qos, False, properties if self.mqtt5 else None)
             if info.rc == paho.MQTT_ERR_SUCCESS:
+                if not info.is_published():  # QoS 0 is done at once, in publish itself
+                    self._queued[info.mid] = size
+                    self.queued_bytes += size
                 return
         if len(self._sending) >= MAX_WAITING_SENDS:
             self.unsent += 1

@@ -9,8 +9,9 @@ to `{root}/status/{agent_id}` and `Event` to `{root}/events`.
 from __future__ import annotations
 
 import json
+import math
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -23,11 +24,27 @@ MAX_REQUEST_BYTES = 256 * 1024
 # The contract says request ids are <= 64 chars: they become a topic level.
 MAX_ID_CHARS = 64
 MAX_STOP_STRINGS = 16
+# The text generator holds back as much of the output as the longest stop string
+# (it could be that string's start), and checks each step against it: a stop
+# string is a marker such as "</answer>" or "\n\n", and 256 characters leave room
+# for any such marker while keeping that work per token small.
+MAX_STOP_CHARS = 256
+# The largest top_k the frame header can carry (a 16-bit field, edgebus/frames.py);
+# the coordinator also refuses one above its model's vocabulary.
+MAX_TOP_K = 2**16 - 1
+# Characters of one JSON number. A 64-bit integer is 20 with its sign and a double's
+# shortest form 24; 40 leaves room for the trailing zeros a PLC's formatter adds.
+# Longer numbers are refused before Python converts them: an integer of more than
+# 4300 digits makes json.loads raise a plain ValueError, and converting a long one
+# costs time quadratic in its length.
+MAX_NUMBER_CHARS = 40
 # A task's variables are a PLC's tag values: a handful, never a table.
 MAX_TASK_VARS = 64
 
 # A task variable's value, as JSON gives it (plant_config/tasks.py checks its declared type).
+# parse_request bounds its numbers (MAX_NUMBER_CHARS, finite).
 VarValue = str | int | float | bool
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class _Strict(BaseModel):
@@ -46,12 +63,14 @@ class GenerateRequest(_Strict):
     # A PLC task: a template of the plant file, filled in with `vars`.
     task: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     vars: dict[str, VarValue] | None = Field(default=None, max_length=MAX_TASK_VARS)
-    max_tokens: int = Field(default=128, ge=1)
+    # The plant's max_tokens_limit is checked by the coordinator (code `max_tokens`);
+    # this bound only keeps the number a 32-bit one wherever it travels.
+    max_tokens: int = Field(default=128, ge=1, lt=2**31)
     temperature: float = Field(default=0.0, ge=0.0, le=10.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     stream: bool = False
     reply_to: str | None = Field(default=None, min_length=1, max_length=512)
@@ -60,13 +79,6 @@ class GenerateRequest(_Strict):
     @classmethod
     def _id_is_topic_level(cls, value: str) -> str:
         return check_level(value, "id")
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, value: list[str]) -> list[str]:
-        if any(not s for s in value):
-            raise ValueError("stop strings must be non-empty")
-        return value
 
     @field_validator("reply_to")
     @classmethod
@@ -188,7 +200,8 @@ def parse_request(payload: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> Gene
         raise RequestError("not_utf8", f"request is not UTF-8 ({exc.reason} at byte "
                                        f"{exc.start}): send JSON encoded as UTF-8") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_bounded_int, parse_float=_bounded_float,
+                          parse_constant=_Unbounded)
     except json.JSONDecodeError as exc:
         raise RequestError("invalid_json", f"request is not JSON: {exc.msg} at line "
                                            f"{exc.lineno} column {exc.colno}") from None
@@ -198,16 +211,74 @@ def parse_request(payload: bytes, *, max_bytes: int = MAX_REQUEST_BYTES) -> Gene
                            ) from None
     if not isinstance(data, dict):
         raise RequestError("invalid_request", "request must be a JSON object")
+    if (unbounded := _find_unbounded(data)) is not None:
+        where, number = unbounded
+        raise RequestError("invalid_request", f"{where}: {number.why}")
     try:
         return GenerateRequest.model_validate(data)
     except ValidationError as exc:
         raise RequestError("invalid_request", describe(exc)) from None
 
 
+class _Unbounded:
+    """A JSON number past what a request may hold, kept as its text until
+    _find_unbounded names the field it is in."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @property
+    def why(self) -> str:
+        if len(self.text) > MAX_NUMBER_CHARS:
+            return (f"a number of {len(self.text)} characters; numbers here have at most "
+                    f"{MAX_NUMBER_CHARS}")
+        return f"{self.text} is not a finite number: send one within the field's range"
+
+
+def _bounded_int(text: str) -> int | _Unbounded:
+    return int(text) if len(text) <= MAX_NUMBER_CHARS else _Unbounded(text)
+
+
+def _bounded_float(text: str) -> float | _Unbounded:
+    if len(text) > MAX_NUMBER_CHARS:
+        return _Unbounded(text)
+    value = float(text)
+    return value if math.isfinite(value) else _Unbounded(text)  # 1e999 parses as inf
+
+
+def _find_unbounded(data: object) -> tuple[str, _Unbounded] | None:
+    """The first number _bounded_int or _bounded_float refused, with where it is
+    (`vars.code`, `stop.1`). A loop, not recursion: json.loads nests up to its own
+    recursion limit, which a recursive walk from here would pass."""
+    todo: list[tuple[str, object]] = [("", data)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, _Unbounded):
+            return where or "request", value
+        items = (value.items() if isinstance(value, dict)
+                 else enumerate(value) if isinstance(value, list) else ())
+        todo.extend((f"{where}.{key}" if where else str(key), item) for key, item in items)
+    return None
+
+
+def unbounded_number(payload: bytes) -> tuple[str, str] | None:
+    """Where the JSON `payload` holds a number past MAX_NUMBER_CHARS or not finite, and
+    why; None if it holds none (or is not JSON). For parsers that can only say at
+    which column a number was too large (pydantic's)."""
+    try:
+        data = json.loads(payload, parse_int=_bounded_int, parse_float=_bounded_float,
+                          parse_constant=_Unbounded)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    found = _find_unbounded(data)
+    return None if found is None else (found[0], found[1].why)
+
+
 def salvage_id(payload: bytes) -> str | None:
     """The id of a request that failed validation, if it can name a reply topic."""
     try:
-        data: Any = json.loads(payload)
+        data: Any = json.loads(payload, parse_int=_bounded_int, parse_float=_bounded_float,
+                               parse_constant=_Unbounded)
         rid = data.get("id") if isinstance(data, dict) else None
         if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS:
             return check_level(rid, "id")

@@ -89,10 +89,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Requests remembered by (client, id), so a QoS 1 redelivery gets the first
-# answer again instead of a second generation. A gateway redelivers within
-# seconds; 4096 covers minutes of a busy plant at a few KB each.
-DEDUP_WINDOW = 4096
+# Answers remembered by (client, id), so a QoS 1 redelivery or a gateway's retry
+# gets the first answer again instead of a second generation, in bytes of the
+# answers (_held_bytes): counted in answers, 4096 answers of 1024 tokens held
+# ~200 MB (48.6 KB each, measured with tracemalloc). A gateway sends again within
+# seconds, or once the coordinator is back from a restart; 32 MiB hold the last
+# ~550 answers of 1024 tokens or ~11000 short ones. Past it the oldest answered
+# ids are forgotten first: sent again, such an id is generated again. Ids still
+# in flight are never forgotten.
+DEDUP_BYTES = 32 * 2**20
+# What one remembered answer costs beyond its text and tokens: the key, the
+# future and the response's pydantic objects (a short error answer measured
+# 2.5 KB in all with tracemalloc, CPython 3.11).
+DEDUP_ENTRY_BYTES = 2560
+# A token id in a Python list: the pointer and the int object (ids past 256 are
+# not shared).
+DEDUP_TOKEN_BYTES = 8 + 28
 # Errors that ask the gateway to send the request again later: their answers
 # are not remembered, so the retry (same id) is served, not answered from memory.
 RETRY_LATER = frozenset({"busy", "unavailable", "timeout"})
@@ -261,6 +273,7 @@ class Coordinator:
         self.tokenizer = tokenizer or load_tokenizer(plant.model, transformers=not llamacpp_only)
         self.eos_ids = _eos_ids(plant, self.tokenizer)
         config = load_config(plant.model)
+        self.vocab_size: int = config.vocab_size
         self.limits = frames.coordinator_limits(vocab=config.vocab_size,
                                                 max_in_flight=self.spec.max_in_flight,
                                                 stages=len(self.pipeline))
@@ -275,6 +288,18 @@ class Coordinator:
         self._by_key: dict[tuple[str, str], Generation] = {}  # (client, id): for cancels
         self._answers: collections.OrderedDict[tuple[str, str], asyncio.Future[GenerateResponse]]
         self._answers = collections.OrderedDict()
+        self._answer_bytes: dict[tuple[str, str], int] = {}  # of answered ones (DEDUP_BYTES)
+        self._held = 0  # their sum
+        self._per_client: collections.Counter[str] = collections.Counter()  # requests in flight
+        # Tokenizing a 256 KiB prompt takes a good fraction of a second: on the event
+        # loop it would hold up every other request's step. One thread: requests being
+        # admitted are few (the broker's in-flight window) and wait their turn. The
+        # loop decodes with the same tokenizer meanwhile: a fast tokenizer without
+        # truncation or padding set is only read by both (8 s of both at once with
+        # SmolLM2's: no error). A first encode clears what a tokenizer file sets of
+        # them, a write, so it happens here, before any thread shares the tokenizer.
+        self.tokenizer("")
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="coordinator-tokenize")
         # Every task this agent starts: at most max_in_flight requests being served,
         # the broker's in-flight window of requests being admitted (they are
         # acknowledged only once journaled or answered), and a few of its own.
@@ -321,6 +346,7 @@ class Coordinator:
                 if peer.drain is not None:
                     peer.drain.cancel()
             self._decoder.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # -- dispatch (event loop, must not block) -----------------------------------
 
@@ -346,7 +372,8 @@ class Coordinator:
         ack = bus.defer_ack(message)
         task = self._spawn(self._serve_request(
             client, payload, getattr(properties, "ResponseTopic", None) if properties else None,
-            getattr(properties, "CorrelationData", None) if properties else None, ack=ack))
+            getattr(properties, "CorrelationData", None) if properties else None, ack=ack,
+            retained=bool(message.retain)))
         task.add_done_callback(functools.partial(_ack_on_failure, ack))
 
     def _on_cancel(self, client: str, payload: bytes) -> None:
@@ -551,14 +578,22 @@ class Coordinator:
 
     async def _serve_request(self, client: str, payload: bytes, response_topic: str | None,
                              correlation: bytes | None, *, ack: Ack | None,
-                             resumed: Entry | None = None) -> None:
+                             resumed: Entry | None = None, retained: bool = False) -> None:
         """Answer one request message. `ack` acknowledges it to the broker: called once it is
         journaled, or answered when it is refused; `resumed`: its entry, if it comes from
-        the journal."""
+        the journal; `retained`: the broker delivered it as a retained message."""
         received = time.perf_counter()
         done: Callable[[], None] = ack if ack is not None else _nothing
         try:
             request = apply_task(parse_request(payload), self.plant.tasks)
+            if retained:
+                # The broker hands a retained message to every new subscription: served,
+                # it would be generated again after every restart of the coordinator.
+                raise RequestError("retained", f"request {request.id} was published retained, "
+                                   "so the broker delivers it again on every subscription: "
+                                   "publish requests with retain false, and clear this one "
+                                   "with an empty retained message to "
+                                   f"{self.topics.request(client)}")
         except RequestError as exc:
             rid = salvage_id(payload)
             self.reporter.report("error", f"bad request from {client}: {exc.message}", rid)
@@ -588,8 +623,6 @@ class Coordinator:
                 self._respond(reply, answer.result())
             return
         answer = self._answers[key] = asyncio.get_running_loop().create_future()
-        while len(self._answers) > DEDUP_WINDOW:
-            self._answers.popitem(last=False)
         # The seed is journaled with the request: a resumed request that samples
         # draws the same tokens again, so the deltas a gateway has already
         # streamed stay a prefix of its answer (docs/failover.md).
@@ -620,9 +653,11 @@ class Coordinator:
             response = _error_response(request.id, RequestError(
                 "internal", f"the coordinator failed: {type(exc).__name__}: {exc}"))
         answer.set_result(response)
-        if response.error is not None and response.error.code in RETRY_LATER \
-                and self._answers.get(key) is answer:
-            del self._answers[key]
+        if self._answers.get(key) is answer:
+            if response.error is not None and response.error.code in RETRY_LATER:
+                del self._answers[key]
+            else:
+                self._remember(key, response)
         await self._deliver(reply, response)
         done()
         if journaled or resumed:
@@ -643,6 +678,19 @@ class Coordinator:
         await self.bus.wait_connected()
         await self._deliver(reply, response)
         await asyncio.to_thread(self.journal.remove, resumed.client, resumed.request_id)
+
+    def _remember(self, key: tuple[str, str], response: GenerateResponse) -> None:
+        """Count `key`'s answer against DEDUP_BYTES; forget the oldest answers past it."""
+        self._answer_bytes[key] = _held_bytes(response)
+        self._held += self._answer_bytes[key]
+        if self._held <= DEDUP_BYTES:
+            return
+        for old in list(self._answers):
+            if self._held <= DEDUP_BYTES:
+                break
+            if (size := self._answer_bytes.pop(old, None)) is not None:  # in flight: kept
+                del self._answers[old]
+                self._held -= size
 
     async def _journal(self, request: GenerateRequest, entry: Entry, ack: Callable[[], None], *,
                        resumed: bool) -> bool:
@@ -693,10 +741,16 @@ class Coordinator:
         if request.max_tokens > spec.max_tokens_limit:
             raise RequestError("max_tokens", f"max_tokens {request.max_tokens} exceeds this "
                                f"plant's limit of {spec.max_tokens_limit}")
-        if len(self._active) >= spec.max_in_flight and not resumed:
-            raise RequestError("busy", f"{len(self._active)} requests in flight, the limit is "
-                               f"{spec.max_in_flight}: retry later")
-        ids = prompt_ids(self.tokenizer, request)
+        if request.top_k > self.vocab_size:
+            raise RequestError("top_k", f"top_k {request.top_k} exceeds the model's vocabulary "
+                               f"of {self.vocab_size} tokens: use at most {self.vocab_size}, "
+                               "or 0 for no top-k cut")
+        if not resumed:  # before tokenizing too: a refused prompt costs nothing
+            self._check_admission(key[0])
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, prompt_ids, self.tokenizer, request)
+        if not resumed:
+            self._check_admission(key[0])
         if not ids or len(ids) > spec.max_prompt_tokens:
             raise RequestError("prompt_length", f"prompt is {len(ids)} tokens; it must be "
                                f"1..{spec.max_prompt_tokens}")
@@ -705,6 +759,7 @@ class Coordinator:
         self._check_fits(gen)
         self._active[gen.seq] = gen  # no await since the checks: the admission count holds
         self._by_key[key] = gen
+        self._per_client[key[0]] += 1
         rng = np.random.default_rng(seed)
         k = candidates_wanted(request.temperature, request.top_k, spec.candidates)
         text = TextStream(self.tokenizer, request.stop) if request.stream or request.stop else None
@@ -737,6 +792,9 @@ class Coordinator:
         finally:
             del self._active[gen.seq]
             self._by_key.pop(key, None)
+            self._per_client[key[0]] -= 1
+            if not self._per_client[key[0]]:
+                del self._per_client[key[0]]
             self._unroute(gen)
             self.counters["tokens"] += len(tokens)
             self.counters["requests_done"] += 1
@@ -752,6 +810,18 @@ class Coordinator:
             id=request.id, text=out_text, tokens=tokens, finish_reason=finish,  # type: ignore[arg-type]
             usage=Usage(prompt_tokens=len(ids), completion_tokens=len(tokens)),
             timings=Timings(ttft_ms=None if ttft is None else ttft * 1e3, total_ms=total * 1e3))
+
+    def _check_admission(self, client: str) -> None:
+        """Refuse a request past max_in_flight, or past its gateway's share of it."""
+        spec = self.spec
+        if len(self._active) >= spec.max_in_flight:
+            raise RequestError("busy", f"{len(self._active)} requests in flight, the limit is "
+                               f"{spec.max_in_flight}: retry later")
+        if self._per_client[client] >= spec.client_limit:
+            raise RequestError("busy", f"gateway {client} has {self._per_client[client]} "
+                               "requests in flight, its share of the plant's max_in_flight "
+                               f"{spec.max_in_flight} is {spec.client_limit} "
+                               "(coordinator.max_in_flight_per_client): retry later")
 
     async def _step(self, gen: Generation, *, candidates: int) -> Frame:
         """Bring the route's caches up to `gen.history` and wait for the next candidates.
@@ -975,6 +1045,13 @@ def prefill_chunks(positions: int, chunk: int) -> list[int]:
     first = max(1, chunk // 2)
     rest = positions - first
     return [first, *[min(chunk, rest - offset) for offset in range(0, rest, chunk)]]
+
+
+def _held_bytes(response: GenerateResponse) -> int:
+    """About what remembering `response` costs in memory (DEDUP_BYTES): a character
+    takes up to 4 bytes in a Python str."""
+    text = len(response.text) + (len(response.error.message) if response.error else 0)
+    return DEDUP_ENTRY_BYTES + 4 * text + DEDUP_TOKEN_BYTES * len(response.tokens)
 
 
 def _error_response(request_id: str, exc: RequestError) -> GenerateResponse:

@@ -364,6 +364,10 @@ class CoordinatorSpec(_Section):
     max_tokens_limit: PositiveInt = 1024  # requests asking for more get an error response
     max_prompt_tokens: PositiveInt = 4096
     max_in_flight: PositiveInt = 64  # admission limit
+    # What one gateway (client id) may hold of max_in_flight; past it its requests get
+    # `busy`. Default: three quarters, so a gateway that floods the plant (a retry loop,
+    # an HTTP gateway under load) leaves a quarter for the PLC bridges.
+    max_in_flight_per_client: PositiveInt | None = None
     candidates: PositiveInt = 64  # top-k (id, logit) pairs the last stage returns per token
     request_timeout_s: PositiveFloat = 120.0
     # Prompt positions per prefill frame. Other requests' decode steps wait
@@ -381,6 +385,19 @@ class CoordinatorSpec(_Section):
     @classmethod
     def _check_id(cls, agent_id: str) -> str:
         return check_level(agent_id, "coordinator id")
+
+    @model_validator(mode="after")
+    def _share_within_limit(self) -> CoordinatorSpec:
+        share = self.max_in_flight_per_client
+        if share is not None and share > self.max_in_flight:
+            raise ValueError(f"max_in_flight_per_client {share} exceeds max_in_flight "
+                             f"{self.max_in_flight}: a gateway's share is part of the whole")
+        return self
+
+    @property
+    def client_limit(self) -> int:
+        """Requests one gateway may have in flight (max_in_flight_per_client)."""
+        return self.max_in_flight_per_client or max(1, self.max_in_flight * 3 // 4)
 
     @field_validator("instances")
     @classmethod

@@ -23,7 +23,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from edgebus.errors import RequestError
-from edgebus.messages import MAX_STOP_STRINGS, ChatMessage, GenerateRequest, VarValue
+from edgebus.messages import (
+    MAX_STOP_STRINGS,
+    ChatMessage,
+    GenerateRequest,
+    StopString,
+    VarValue,
+)
 
 VarType = Literal["str", "int", "float", "bool"]
 # What a JSON value must be for each declared type. bool is excluded from int and
@@ -46,7 +52,7 @@ class TaskTemplate(BaseModel):
     vars: dict[str, VarType] = {}
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=10.0)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
 
     @field_validator("system", "user")
     @classmethod

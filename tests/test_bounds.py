@@ -12,6 +12,9 @@ the model, and its stages load and answer in a fraction of SmolLM2's time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,11 +30,11 @@ from test_frames import lz4_bomb
 from transformers import AutoConfig
 
 from edgebus import frames
-from edgebus.client import BusClient
+from edgebus.client import MAX_QUEUED_OUT_BYTES, QUEUED_MESSAGE_BYTES, BusClient
 from edgebus.frames import Header, Kind
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.stage import waiting_limit
-from plant_config import Plant, make_plant, write_plant
+from plant_config import BrokerEndpoint, Plant, make_plant, write_plant
 
 # The smallest KV budget, so the bounds it implies are small and a bomb or flood
 # past them shows plainly in the stage's memory. The tiny model's KV takes
@@ -231,3 +234,49 @@ async def test_a_flood_of_frames_is_refused_at_the_bound_and_every_frame_account
     assert gw.messages("refused")  # the bound was reached, and said so
     assert grown <= budget(plant, target)
     assert_exact(tiny_llama, gw, batch)
+
+
+async def test_a_broker_that_stops_reading_makes_send_refuse_past_the_outgoing_bound(
+        mosquitto_broker: MosquittoBroker) -> None:
+    """Mosquitto stopped (SIGSTOP) keeps the connection open but acknowledges nothing:
+    paho's queue of unacknowledged messages then holds MAX_QUEUED_OUT_BYTES, no more,
+    and what it held is delivered once the broker reads again."""
+    endpoint = BrokerEndpoint(host=mosquitto_broker.host, port=mosquitto_broker.port,
+                              tls=False, username=None, password=None, protocol="3.1.1",
+                              ca_file=None, keepalive_s=60)
+    sender = BusClient(endpoint, "bounded-sender")
+    topic = f"edgebus-test/{os.getpid()}/out"
+    payload = b"\0" * 2**20  # a large prefill frame's size
+    fits = MAX_QUEUED_OUT_BYTES // (len(payload) + QUEUED_MESSAGE_BYTES)
+    extra = 10
+    async with aiomqtt.Client(mosquitto_broker.host, mosquitto_broker.port) as reader:
+        await reader.subscribe(topic, qos=1)
+        running = asyncio.ensure_future(sender.run(lambda message: None))
+        try:
+            await sender.wait_connected(WAIT_S)
+            assert mosquitto_broker.pid is not None
+            os.kill(mosquitto_broker.pid, signal.SIGSTOP)
+            try:
+                for i in range(fits + extra):
+                    sender.send(topic, i.to_bytes(4, "big") + payload)
+                assert sender.connected  # refused while connected, not waiting for a connection
+                assert sender.unsent == extra
+                assert sender.queued_bytes <= MAX_QUEUED_OUT_BYTES
+            finally:
+                os.kill(mosquitto_broker.pid, signal.SIGCONT)
+            got: list[int] = []
+            async with asyncio.timeout(WAIT_S):
+                async for message in reader.messages:
+                    assert isinstance(message.payload, bytes)
+                    got.append(int.from_bytes(message.payload[:4], "big"))
+                    if len(got) == fits:
+                        break
+                # Every acknowledgement counted back.
+                while sender.queued_bytes:
+                    await asyncio.sleep(0.05)
+        finally:
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+    # The first that fitted, each once; the refused ones never left.
+    assert sorted(got) == list(range(fits))

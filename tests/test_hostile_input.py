@@ -13,11 +13,15 @@ import json
 import math
 import os
 import random
+import re
 import struct
+import threading
 import zlib
 from pathlib import Path
+from typing import Any
 
 import aiomqtt
+import pytest
 import torch
 from brokers import BrokerHandle
 from hypothesis import given, settings
@@ -30,13 +34,21 @@ from edgebus.errors import RequestError
 from edgebus.frames import HEADER_SIZE, Header, Kind
 from edgebus.messages import (
     MAX_REQUEST_BYTES,
+    MAX_STOP_CHARS,
+    MAX_TOP_K,
     AgentStatus,
     GenerateRequest,
     GenerateResponse,
     parse_request,
 )
+from node_agent import coordinator
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.stage import SWEEP_INTERVAL_S
+from node_agent.text import prompt_ids as tokenize
+from plant_config.tasks import EXAMPLE_TASKS, apply_task
+
+# What a task request may be refused with once it has parsed (plant_config/tasks.py).
+TASK_ERRORS = frozenset({"unknown_task", "missing_var", "unknown_var", "wrong_type"})
 
 FUZZ_MESSAGES = 10_000
 # Publishes in flight at once: enough to flood the agents, few enough that
@@ -48,11 +60,46 @@ HIDDEN = 64  # the tiny llama's width
 
 # -- the request parser, property-based -------------------------------------------
 
-_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-                     lambda inner: st.lists(inner, max_size=4)
+class _Number:
+    """A JSON number written out as given: past 4300 digits Python's json cannot write one."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+# Numbers as a PLC or a hostile client may write them: longer than any field holds
+# (thousands of digits), past a double's range (1e999), or just past a bound.
+_NUMBERS = (st.from_regex(r"-?[1-9][0-9]{30,6000}", fullmatch=True)
+            | st.from_regex(r"-?[1-9][0-9]?(\.[0-9]{1,60})?e[+-]?[0-9]{1,4}", fullmatch=True)
+            | st.sampled_from(["65535", "65536", "49152", "49153", "2147483648", "1e999",
+                               "-0", "0.0", "9223372036854775808"])).map(_Number)
+_SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+            | st.text() | _NUMBERS)
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
-_FIELDS = st.sampled_from(["id", "prompt", "messages", "max_tokens", "temperature", "top_k",
-                           "top_p", "seed", "stop", "ignore_eos", "stream", "reply_to", "extra"])
+_FIELDS = st.sampled_from(["id", "prompt", "messages", "task", "vars", "max_tokens",
+                           "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos",
+                           "stream", "reply_to", "extra"])
+# A task request: the example task's name or another, and vars that are mostly its own.
+_TASKS = st.fixed_dictionaries(
+    {"id": st.text(min_size=1, max_size=8), "task": st.sampled_from([*EXAMPLE_TASKS, "other"]),
+     "vars": st.dictionaries(st.sampled_from(["machine", "code", "extra"]), _SCALARS,
+                             max_size=3)},
+    optional={name: _JSON for name in ["max_tokens", "temperature", "top_k", "stop", "prompt"]})
+
+
+def _dumps(data: object) -> bytes:
+    """JSON of `data`, with each _Number written out verbatim."""
+    numbers: list[str] = []
+
+    def number(value: object) -> str:
+        if not isinstance(value, _Number):
+            raise TypeError(type(value).__name__)
+        numbers.append(value.text)
+        return f"\x00{len(numbers) - 1}\x00"
+
+    text = json.dumps(data, default=number)
+    return re.sub(r'"\\u0000(\d+)\\u0000"', lambda m: numbers[int(m.group(1))], text).encode()
 
 
 @settings(max_examples=400, deadline=None)
@@ -65,14 +112,34 @@ def test_any_bytes_parse_or_raise_request_error(payload: bytes) -> None:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.dictionaries(_FIELDS, _JSON, max_size=8))
+@given(st.dictionaries(_FIELDS, _JSON, max_size=8) | _TASKS)
 def test_any_json_object_parses_or_raises_request_error(data: dict[str, object]) -> None:
     try:
-        request = parse_request(json.dumps(data).encode())
+        request = apply_task(parse_request(_dumps(data)), EXAMPLE_TASKS)
     except RequestError as exc:
-        assert exc.code == "invalid_request" and exc.message
+        assert exc.code in TASK_ERRORS | {"invalid_request"} and exc.message
+        # A number past its bound is refused with the field it is in.
+        assert exc.code != "invalid_request" or exc.message.split(":")[0]
     else:  # whatever passes is a request the coordinator can serve as is
         assert request.max_tokens >= 1 and (request.prompt is None) != (request.messages is None)
+        assert 0 <= request.top_k <= MAX_TOP_K and math.isfinite(request.temperature)
+        assert request.task is None and request.vars is None
+        assert all(len(stop) <= MAX_STOP_CHARS for stop in request.stop)
+
+
+@pytest.mark.parametrize(("payload", "field"), [
+    (f'{{"id": "a", "prompt": "x", "max_tokens": {"9" * 5000}}}', "max_tokens"),
+    (f'{{"id": "a", "task": "alarm_summary", "vars": {{"code": {"1" * 4301}}}}}', "vars.code"),
+    ('{"id": "a", "prompt": "x", "temperature": 1e999}', "temperature"),
+    ('{"id": "a", "prompt": "x", "top_p": NaN}', "top_p"),
+    ('{"id": "a", "prompt": "x", "top_k": 65536}', "top_k"),
+    (f'{{"id": "a", "prompt": "x", "stop": ["ok", "{"s" * 257}"]}}', "stop.1"),
+])
+def test_a_number_past_its_bound_is_refused_with_its_field(payload: str, field: str) -> None:
+    with pytest.raises(RequestError) as refused:
+        parse_request(payload.encode())
+    assert refused.value.code == "invalid_request"
+    assert refused.value.message.startswith(f"{field}: ")
 
 
 # -- live fuzzing -----------------------------------------------------------------
@@ -356,3 +423,153 @@ async def test_a_late_will_of_an_old_session_does_not_kill_a_live_node(
                     # Control: a death of the current session does count.
                     await client.publish(f"{root}/status/stage-0", death(current), qos=1)
     assert len(leaves) == 1 and "stage-0" in leaves[0]
+
+
+# -- bounds at parse time and at admission -----------------------------------------------
+
+
+async def _collect(client: aiomqtt.Client, count: int) -> dict[str, GenerateResponse]:
+    """The next `count` answers the client's subscriptions bring, by request id."""
+    responses: dict[str, GenerateResponse] = {}
+    async with asyncio.timeout(WAIT_S):
+        async for message in client.messages:
+            assert isinstance(message.payload, bytes)
+            response = GenerateResponse.model_validate_json(message.payload)
+            responses[response.id] = response
+            if len(responses) == count:
+                break
+    return responses
+
+
+async def test_numbers_past_their_bounds_are_answered_with_a_coded_error_naming_the_field(
+        tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
+    """Each used to go unanswered (a plain ValueError) or end in `internal` or, after six
+    replays, `stage_error`."""
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)])
+    vocab = AutoConfig.from_pretrained(tiny_llama).vocab_size
+    base = '"prompt": "Valve 3 is", "max_tokens": 2'
+    bad = {
+        "digits": (f'{{"id": "digits", {base}, "seed": {"7" * 5000}}}', "invalid_request",
+                   "seed: a number of 5000 characters"),
+        "var": (f'{{"id": "var", "task": "t", "vars": {{"code": {"1" * 4400}}}}}',
+                "invalid_request", "vars.code: a number of 4400 characters"),
+        "inf": (f'{{"id": "inf", {base}, "temperature": 1e999}}', "invalid_request",
+                "temperature: 1e999 is not a finite number"),
+        "header": (f'{{"id": "header", {base}, "top_k": {MAX_TOP_K + 1}}}', "invalid_request",
+                   f"top_k: Input should be less than or equal to {MAX_TOP_K}"),
+        "vocab": (f'{{"id": "vocab", {base}, "top_k": {vocab + 1}, "temperature": 1.0}}',
+                  "top_k", f"exceeds the model's vocabulary of {vocab} tokens"),
+        "stop": (f'{{"id": "stop", {base}, "stop": ["{"s" * (MAX_STOP_CHARS + 1)}"]}}',
+                 "invalid_request", f"stop.0: String should have at most {MAX_STOP_CHARS}"),
+    }
+    # The whole vocabulary as top_k is served: the bound is the vocabulary, not below it.
+    whole = GenerateRequest(id="whole", prompt="Valve 3 is", max_tokens=2, top_k=vocab,
+                            temperature=1.0, seed=5)
+    root = plant.topic_root
+    async with running(plant), aiomqtt.Client(mosquitto_broker.host,
+                                              mosquitto_broker.port) as client:
+        await client.subscribe(f"{root}/llm/response/gw/+", qos=1)
+        for payload, _, _ in bad.values():
+            await client.publish(f"{root}/llm/request/gw", payload, qos=1)
+        await client.publish(f"{root}/llm/request/gw", whole.model_dump_json(), qos=1)
+        responses = await _collect(client, len(bad) + 1)
+    for rid, (_, code, message) in bad.items():
+        error = responses[rid].error
+        assert error is not None and error.code == code and message in error.message, error
+    assert responses["whole"].error is None and len(responses["whole"].tokens) == 2
+
+
+async def test_past_its_share_a_gateway_gets_busy_and_the_others_are_served(
+        tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)], max_in_flight=4,
+                      max_in_flight_per_client=2)
+    flood = [GenerateRequest(id=f"f{i}", prompt=f"Sensor {i} drift", max_tokens=40,
+                             ignore_eos=True) for i in range(8)]
+    plc = [GenerateRequest(id=f"p{i}", prompt=f"Press {i} stalled", max_tokens=8,
+                           ignore_eos=True) for i in range(2)]
+    root = plant.topic_root
+    async with running(plant), aiomqtt.Client(mosquitto_broker.host,
+                                              mosquitto_broker.port) as client:
+        await client.subscribe(f"{root}/llm/response/+/+", qos=1)
+        await asyncio.gather(*(client.publish(f"{root}/llm/request/flood", r.model_dump_json(),
+                                              qos=1) for r in flood),
+                             *(client.publish(f"{root}/llm/request/plc", r.model_dump_json(),
+                                              qos=1) for r in plc))
+        responses = await _collect(client, len(flood) + len(plc))
+    busy = [r.error for r in responses.values() if r.error is not None]
+    assert busy and all(e.code == "busy" and "gateway flood has 2 requests in flight, its "
+                        "share of the plant's max_in_flight 4 is 2" in e.message for e in busy)
+    # The flood held at most its share, so the other gateway always found room.
+    for request in plc:
+        assert responses[request.id].tokens == reference_tokens(tiny_llama, request)
+
+
+async def test_a_retained_request_is_refused_not_served_on_every_subscription(
+        tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)])
+    root = plant.topic_root
+    request = GenerateRequest(id="kept", prompt="Valve 3 is", max_tokens=2)
+    async with aiomqtt.Client(mosquitto_broker.host, mosquitto_broker.port) as client:
+        await client.subscribe(f"{root}/llm/response/gw/+", qos=1)
+        # Retained before the coordinator subscribes: it comes as the broker's retained copy.
+        await client.publish(f"{root}/llm/request/gw", request.model_dump_json(), qos=1,
+                             retain=True)
+        async with running(plant):
+            refused = (await _collect(client, 1))["kept"]
+        await client.publish(f"{root}/llm/request/gw", b"", qos=1, retain=True)  # cleared
+    assert refused.error is not None and refused.error.code == "retained"
+    assert f"empty retained message to {root}/llm/request/gw" in refused.error.message
+    assert not refused.tokens
+
+
+async def test_past_the_dedup_bytes_the_oldest_answer_is_forgotten_and_generated_again(
+        tiny_llama: Path, mosquitto_broker: BrokerHandle,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)])
+    requests = [GenerateRequest(id=f"d{i}", prompt=f"Line {i} paused", max_tokens=6,
+                                ignore_eos=True) for i in range(3)]
+    sizes = [coordinator._held_bytes(GenerateResponse(
+        id=r.id, text="x" * 64, tokens=[0] * 6, finish_reason="length")) for r in requests]
+    # Room for two of the three answers (their text is far under 64 characters).
+    monkeypatch.setattr(coordinator, "DEDUP_BYTES", sum(sizes[:2]))
+    root = plant.topic_root
+    async with running(plant), aiomqtt.Client(mosquitto_broker.host,
+                                              mosquitto_broker.port) as client:
+        await client.subscribe(f"{root}/llm/response/gw/+", qos=1)
+        first: dict[str, GenerateResponse] = {}
+        for request in requests:
+            await client.publish(f"{root}/llm/request/gw", request.model_dump_json(), qos=1)
+            first |= await _collect(client, 1)
+        again: dict[str, GenerateResponse] = {}
+        for request in [requests[2], requests[0]]:  # the newest, then the forgotten oldest
+            await client.publish(f"{root}/llm/request/gw", request.model_dump_json(), qos=1)
+            again |= await _collect(client, 1)
+    # Timings are measured per generation: equal timings mean the remembered answer.
+    assert again["d2"] == first["d2"]
+    assert again["d0"].timings != first["d0"].timings
+    assert again["d0"].tokens == first["d0"].tokens == reference_tokens(tiny_llama, requests[0])
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(
+        tiny_llama: Path, mosquitto_broker: BrokerHandle,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 256 KiB prompt takes 0.25-0.45 s to tokenize (SmolLM2's tokenizer, measured):
+    on the event loop that would hold up every other request's step."""
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)])
+    threads: list[str] = []
+
+    def prompt_ids(*args: Any) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return tokenize(*args)
+
+    monkeypatch.setattr(coordinator, "prompt_ids", prompt_ids)
+    long = GenerateRequest(id="long", prompt="valve 3 open. " * (MAX_REQUEST_BYTES // 15),
+                           max_tokens=2)
+    root = plant.topic_root
+    async with running(plant), aiomqtt.Client(mosquitto_broker.host,
+                                              mosquitto_broker.port) as client:
+        await client.subscribe(f"{root}/llm/response/gw/+", qos=1)
+        await client.publish(f"{root}/llm/request/gw", long.model_dump_json(), qos=1)
+        error = (await _collect(client, 1))["long"].error
+    assert error is not None and error.code == "prompt_length"
+    assert threads and all(name.startswith("coordinator-tokenize") for name in threads)

@@ -27,7 +27,7 @@ from brokers import BrokerHandle
 from pipeline import plant_for, reference_tokens, running, stage_model, tokenizer
 
 from edgebus.gateways.api_keys import ensure_api_keys, key_path
-from edgebus.gateways.http import HttpGateway, Pending, _events, _Shape
+from edgebus.gateways.http import EXTRA_CONNECTIONS, HttpGateway, Pending, _events, _Shape
 from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse, StreamDelta
 from edgebus.processes import LOOPBACK, free_port
 from node_agent.coordinator import Coordinator
@@ -198,11 +198,19 @@ async def test_bad_input_is_400_with_openais_error_object(tiny_llama: Path,
             model="gpt-4o", messages=[{"role": "user", "content": "hi"}]))).status_code == 404
         big = await _raw(f"{gateway.url}/completions", b"x" * (300 * 1024))
         garbage = await _raw(f"{gateway.url}/completions", b"{not json")
+        # Numbers past any field's bound, named by their field.
+        digits = await _raw(f"{gateway.url}/completions",
+                            b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}")
+        stop = await _raw(f"{gateway.url}/completions",
+                          b'{"prompt": "x", "stop": ["' + b"s" * 300 + b'"]}')
         # Still serving after all that.
         ok = await api.completions.create(model=tiny_llama.name, prompt=PROMPT, max_tokens=2)
     assert big[0] == 413 and big[1]["error"]["code"] == "too_large"
     assert garbage[0] == 400
     assert set(garbage[1]["error"]) == {"message", "type", "param", "code"}
+    assert digits[0] == 400 and digits[1]["error"]["param"] == "max_tokens"
+    assert digits[1]["error"]["message"].startswith("max_tokens: a number of 5000 characters")
+    assert stop[0] == 400 and stop[1]["error"]["param"] == "stop.0"
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
@@ -232,7 +240,9 @@ async def test_busy_unavailable_and_timeout_statuses(tiny_llama: Path,
 
     Two gateways share the identity `http`, as two `edgebus http` processes may.
     """
-    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)], max_in_flight=2)
+    # Both gateways are `http`: its share of max_in_flight is the whole here.
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)], max_in_flight=2,
+                      max_in_flight_per_client=2)
     plant = plant.model_copy(update={"liveness": Liveness(stage_wait_s=12.0)})
     messages = [{"role": "user", "content": "hi"}]
     async with coordinator_only(plant) as coordinator, serving(plant) as patient, \
@@ -262,6 +272,38 @@ async def test_busy_unavailable_and_timeout_statuses(tiny_llama: Path,
     assert gone.status_code == 503 and gone.code == "unavailable"
     assert "no live node" in gone.message
     assert elapsed >= 12.0
+
+
+async def test_past_its_connection_bound_uvicorn_answers_503_at_once(
+        tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
+    """uvicorn's limit_concurrency is --max-in-flight plus EXTRA_CONNECTIONS: a request on
+    a connection past it (its own counted) gets 503 before it is read, and one on a
+    connection within it is served."""
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)])
+    limit = 1 + EXTRA_CONNECTIONS
+
+    def status() -> int:
+        try:
+            with urllib.request.urlopen(f"{gateway.url}/models", timeout=WAIT_S) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    async with serving(plant, max_in_flight=1) as gateway:
+        connections = gateway.server.server_state.connections
+        idle = [await asyncio.open_connection(gateway.host, gateway.port)
+                for _ in range(limit - 1)]
+        try:
+            await _until(lambda: len(connections) == limit - 1, "the idle connections open")
+            at_bound = await asyncio.to_thread(status)
+            idle.pop()[1].close()
+            await _until(lambda: len(connections) == limit - 2, "one idle connection closed")
+            within = await asyncio.to_thread(status)
+        finally:
+            for _, writer in idle:
+                writer.close()
+    assert at_bound == 503
+    assert within == 200
 
 
 @asynccontextmanager

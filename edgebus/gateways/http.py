@@ -67,6 +67,7 @@ from edgebus.messages import (
     GenerateResponse,
     StreamDelta,
     describe,
+    unbounded_number,
 )
 from plant_config import Plant
 from plant_config.loader import DEFAULT_HTTP_GATEWAY
@@ -90,8 +91,14 @@ STATUS_WAIT_S = 5.0
 # Messages a request may have waiting beyond one per token and its answer:
 # QoS 1 duplicates after a reconnect, dropped here if they ever pile up.
 QUEUE_SLACK = 16
+# Connections and requests uvicorn serves at once beyond the gateway's requests in
+# flight (--max-in-flight): idle keep-alive connections, /v1/models and 429s
+# answered on the spot. Past max_in_flight plus this, uvicorn answers 503 at once,
+# before reading the request: without a bound every connection of a client that
+# opens them in a loop costs a task and a socket.
+EXTRA_CONNECTIONS = 64
 # Coordinator error codes that mean the request itself must change.
-_CLIENT_ERRORS = frozenset({"too_large", "not_utf8", "invalid_json", "invalid_request",
+_CLIENT_ERRORS = frozenset({"too_large", "not_utf8", "invalid_json", "invalid_request", "top_k",
                             "reply_to", "max_tokens", "prompt_length", "too_long"})
 # The others that have a status of their own; any other code is the plant failing (502).
 _PLANT_STATUS = {"busy": 429, "unavailable": 503, "timeout": 504}
@@ -330,6 +337,11 @@ def _parse(model: type[_Model], body: bytes) -> _Model:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
+        # pydantic's JSON parser names only the column of a number too large for it.
+        if any(err["type"] == "json_invalid" for err in exc.errors()) and (
+                found := unbounded_number(body)) is not None:
+            raise HttpError(400, f"{found[0]}: {found[1]}", code="invalid_request",
+                            param=found[0]) from None
         raise _invalid(exc) from None
 
 
@@ -553,13 +565,14 @@ class HttpGateway:
         # stage_wait_s, a step's `timeout` after request_timeout_s), so the
         # gateway's own 504 is for a coordinator that says nothing at all.
         timeout = timeout_s or plant.coordinator.request_timeout_s + plant.liveness.stage_wait_s
-        # More than the coordinator admits would only be refused there; fewer
-        # would turn away what the plant could serve.
-        limit = max_in_flight or plant.coordinator.max_in_flight
+        # More than the coordinator admits from one gateway would only be refused
+        # there; fewer would turn away what the plant could serve.
+        limit = max_in_flight or plant.coordinator.client_limit
         self.gateway = Gateway(plant, self.client_id, timeout_s=timeout, max_in_flight=limit)
         self.server = uvicorn.Server(uvicorn.Config(
             create_app(plant, self.gateway, self.keys), host=self.host, port=self.port,
-            log_config=None, access_log=False, lifespan="off"))
+            log_config=None, access_log=False, lifespan="off",
+            limit_concurrency=limit + EXTRA_CONNECTIONS))
 
     @property
     def url(self) -> str:
