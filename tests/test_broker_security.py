@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
 import secrets
 import signal
@@ -208,6 +209,136 @@ def test_an_unknown_identity_gets_a_clear_error(tmp_path: Path) -> None:
         plant.endpoint_for("plc-9")
     with pytest.raises(PlantConfigError, match=r"no password for 'plc-1'.*mosquitto-config"):
         plant.endpoint_for("plc-1")
+
+
+# -- Last Wills ----------------------------------------------------------------------------
+
+# Where a forged Will could do harm (topic under the root: who reads it, who may write it).
+WILL_TARGETS = {
+    "llm/response/plc-2/will": ("plc-2", "coordinator"),  # a forged answer
+    "llm/request/plc-2": ("coordinator", "plc-2"),  # a request in another gateway's name
+    "status/stage-0": ("ops", "stage-0"),  # a fake status
+    "plan": ("ops", "coordinator"),  # an overwritten plan
+    "act/stage-0": ("stage-0", "coordinator"),  # a frame pushed into a stage
+}
+# Every kind of identity, and the targets of WILL_TARGETS it may not publish to.
+WILL_FORGERS = {
+    "stage-1": list(WILL_TARGETS),  # a stage node
+    "coordinator": ["llm/request/plc-2", "status/stage-0"],
+    "plc-1": list(WILL_TARGETS),  # a gateway (the HTTP gateway logs in as one)
+    "ops": list(WILL_TARGETS),  # read-only
+}
+# The one allowed Will among them, connected last: once it arrives, the broker
+# has seen the killed process's connections drop.
+WITNESS = ("stage-1", "status/stage-1")
+
+# A client process holding one MQTT connection per (user, password, will topic,
+# will payload) of argv[1]; it says "ready" once every one is connected, then waits
+# for its kill.
+_WILL_CLIENTS = """
+import json, sys, threading
+import paho.mqtt.client as mqtt
+host, port, v5, clients = json.loads(sys.argv[1])
+held = []
+for user, password, topic, payload in clients:
+    connected = threading.Event()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"will-{len(held)}",
+                         protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
+    client.username_pw_set(user, password)
+    client.will_set(topic, payload, qos=1)
+    client.on_connect = lambda *args, connected=connected: connected.set()
+    client.connect(host, port)
+    client.loop_start()
+    assert connected.wait(10), f"{user} did not connect"
+    held.append(client)
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+async def test_a_will_goes_only_where_its_identity_may_publish(secured: Plant) -> None:
+    """A Will on a topic its identity may not publish to never arrives, after a kill -9."""
+    root = secured.topic_root
+    endpoint = secured.broker.endpoint()
+    wills = [(forger, secured.endpoint_for(forger).password, f"{root}/{level}",
+              f"forged by {forger}") for forger, levels in WILL_FORGERS.items()
+             for level in levels]
+    witness, witness_level = WITNESS
+    wills.append((witness, secured.endpoint_for(witness).password, f"{root}/{witness_level}",
+                  "witness"))
+    readers: dict[str, list[str]] = {}
+    for level, (reader, _) in WILL_TARGETS.items():
+        readers.setdefault(reader, []).append(f"{root}/{level}")
+    async with contextlib.AsyncExitStack() as stack:
+        logins = {identity: await stack.enter_async_context(login(secured, identity))
+                  for identity in {*readers, *(writer for _, writer in WILL_TARGETS.values())}}
+        for reader, topics in readers.items():
+            for topic in topics:
+                await logins[reader].subscribe(topic, qos=1)
+        await logins["ops"].subscribe(f"{root}/{witness_level}", qos=1)
+        clients = subprocess.Popen(
+            [sys.executable, "-c", _WILL_CLIENTS,
+             json.dumps([endpoint.host, endpoint.port, endpoint.protocol == "5", wills])],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert clients.stdout is not None
+            ready = await asyncio.wait_for(asyncio.to_thread(clients.stdout.readline), WAIT_S)
+            assert ready.strip() == "ready"
+        finally:
+            clients.kill()  # SIGKILL: no DISCONNECT, so the broker owes every Will
+            clients.wait()
+        seen = await first_message(logins["ops"])
+        assert (seen.topic.value, seen.payload) == (f"{root}/{witness_level}", b"witness")
+        for level, (_, writer) in WILL_TARGETS.items():
+            await logins[writer].publish(f"{root}/{level}", b"marker", qos=1)
+        # Per subscriber the broker keeps order: a forged Will would come before the marker.
+        for reader, topics in readers.items():
+            got: dict[str, bytes] = {}
+            while len(got) < len(topics):
+                message = await first_message(logins[reader])
+                got.setdefault(message.topic.value, bytes(message.payload))
+            assert got == dict.fromkeys(topics, b"marker"), f"{reader} received a forged Will"
+
+
+# -- the embedded broker under churn ---------------------------------------------------
+
+# Messages published while clients come and go: amqtt's broadcast race (see
+# broker.embedded._Broker) lost one within the first few dozen here, on 2 cores.
+CHURN_MESSAGES = 300
+CHURNERS = 6  # clients subscribing and leaving over and over, each its own connection
+
+
+async def test_the_embedded_broker_delivers_every_message_while_clients_come_and_go(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With security on, a subscriber gets every message though others subscribe and leave
+    all the while (what `edgebus status` beside a burst of `edgebus ask` does)."""
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}", mqtt5=False)
+    broker = start_secured("amqtt", plant, tmp_path)
+    topic = plant.topics.status("stage-0")
+    sent = [f"{n}".encode() for n in range(CHURN_MESSAGES)]
+    published = asyncio.Event()
+
+    async def churn() -> None:
+        while not published.is_set():
+            async with login(plant, "ops") as passer:
+                await passer.subscribe(f"{plant.topic_root}/status/#", qos=1)
+
+    try:
+        async with login(plant, "ops") as reader, login(plant, "stage-0") as writer:
+            await reader.subscribe(topic, qos=1)
+            churners = [asyncio.create_task(churn()) for _ in range(CHURNERS)]
+            for payload in sent:
+                await writer.publish(topic, payload, qos=1)
+            published.set()
+            await asyncio.gather(*churners)
+            await writer.publish(topic, b"end", qos=1)
+            received = []
+            while (message := await first_message(reader)).payload != b"end":
+                received.append(bytes(message.payload))
+    finally:
+        broker.stop()
+    assert "dictionary changed size" not in caplog.text
+    assert received == sent, f"{len(sent) - len(received)} message(s) lost"
 
 
 # -- TLS ---------------------------------------------------------------------------------
