@@ -421,6 +421,40 @@ async def test_a_request_runs_end_to_end_and_no_secret_leaks(
         assert password not in seen
 
 
+async def test_a_status_speaks_only_for_the_agent_its_topic_names(
+        tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A stage node may write its own status only, whatever its JSON claims: a claim to be
+    another stage, or a coordinator instance, is taken as the stage's own status."""
+    caplog.set_level(logging.INFO)
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
+                          model=tiny_llama)
+    plant = plant.model_copy(update={  # several coordinators: a peer's death starts a drain
+        "coordinator": plant.coordinator.model_copy(update={"instances": ["b"]})})
+    broker = start_secured("mosquitto", plant, tmp_path)
+    # A bdseq above any real session's, so that neither is taken for a late Will.
+    lies = [AgentStatus(state="offline", role=role, agent_id=agent, pid=1, host="forged",
+                        version="0", bdseq=2**53)
+            for role, agent in [("stage", "stage-1"), ("coordinator", "coordinator.b")]]
+    request = GenerateRequest(id="after-lies", prompt="Alarm 4711 on press 3 means",
+                              max_tokens=4, ignore_eos=True)
+    try:
+        async with running(plant):
+            async with login(plant, "stage-0") as liar:
+                for lie in lies:
+                    await liar.publish(plant.topics.status("stage-0"), lie.model_dump_json(),
+                                       qos=1)
+            # Sent after the lies, so the coordinator has read them when it answers.
+            response = await ask(plant, request, client_id="plc-1", timeout=60)
+            seen = caplog.text  # before the agents stop, and say so
+    finally:
+        broker.stop()
+    assert response.error is None
+    assert response.tokens == reference_tokens(tiny_llama, request)
+    assert "stage-1 went offline" not in seen
+    assert "coordinator.b is offline" not in seen  # no drain of a peer
+    assert "stage node stage-0 went offline" in seen  # the lies, read as stage-0's
+
+
 async def _retained_as_ops(plant: Plant) -> dict[str, str]:
     """Every retained message an operator sees, by topic: each agent's status and the plan
     (there is nothing else to retain), collected until all of them have come."""
