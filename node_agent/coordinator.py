@@ -75,7 +75,7 @@ from edgebus.messages import (
 from edgebus.topics import check_level
 from node_agent.engines import kv_reservation
 from node_agent.groups import Outbox
-from node_agent.journal import Entry, Journal, default_directory
+from node_agent.journal import Entry, Journal, JournalLock, default_directory
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, publish_plan, run_agent, serve_until, sparkplug_node
 from node_agent.sampling import candidates_wanted, sample_token
@@ -279,6 +279,8 @@ class Coordinator:
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="coordinator-decode")
         self.journal = Journal(journal_dir or default_directory(
             plant.plant_id, plant.topic_root, self.agent_id))
+        self._journal_lock = JournalLock(self.journal.directory)
+        self._journal_lock.acquire()  # released when serve() ends
         self._resume = self.journal.open()  # what a previous run left unanswered
         self._peers: dict[str, Peer] = {}
         self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0,
@@ -315,6 +317,7 @@ class Coordinator:
                 if peer.drain is not None:
                     peer.drain.cancel()
             self._decoder.shutdown(wait=False, cancel_futures=True)
+            self._journal_lock.release()
 
     # -- dispatch (event loop, must not block) -----------------------------------
 
