@@ -221,6 +221,8 @@ WILL_TARGETS = {
     "plan": ("ops", "coordinator"),  # an overwritten plan
     "act/stage-0": ("stage-0", "coordinator"),  # a frame pushed into a stage
 }
+# Targets whose retained message a forged Will (all are retained) must not replace.
+RETAINED_TARGETS = ["status/stage-0", "plan"]
 # Every kind of identity, and the targets of WILL_TARGETS it may not publish to.
 WILL_FORGERS = {
     "stage-1": list(WILL_TARGETS),  # a stage node
@@ -233,19 +235,19 @@ WILL_FORGERS = {
 WITNESS = ("stage-1", "status/stage-1")
 
 # A client process holding one MQTT connection per (user, password, will topic,
-# will payload) of argv[1]; it says "ready" once every one is connected, then waits
-# for its kill.
+# will payload, retain) of argv[1]; it says "ready" once every one is connected, then
+# waits for its kill.
 _WILL_CLIENTS = """
 import json, sys, threading
 import paho.mqtt.client as mqtt
 host, port, v5, clients = json.loads(sys.argv[1])
 held = []
-for user, password, topic, payload in clients:
+for user, password, topic, payload, retain in clients:
     connected = threading.Event()
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"will-{len(held)}",
                          protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
     client.username_pw_set(user, password)
-    client.will_set(topic, payload, qos=1)
+    client.will_set(topic, payload, qos=1, retain=retain)
     client.on_connect = lambda *args, connected=connected: connected.set()
     client.connect(host, port)
     client.loop_start()
@@ -256,26 +258,40 @@ threading.Event().wait()
 """
 
 
+async def _read_until(client: aiomqtt.Client, wanted: set[tuple[str, bytes]],
+                      seen: list[tuple[str, bytes]]) -> None:
+    """Append what `client` receives to `seen` until every (topic, payload) of `wanted` came."""
+    while not wanted <= set(seen):
+        message = await first_message(client)
+        seen.append((message.topic.value, bytes(message.payload)))
+
+
 async def test_a_will_goes_only_where_its_identity_may_publish(secured: Plant) -> None:
-    """A Will on a topic its identity may not publish to never arrives, after a kill -9."""
+    """A Will on a topic its identity may not publish to never arrives, after a kill -9,
+    nor replaces a retained message."""
     root = secured.topic_root
     endpoint = secured.broker.endpoint()
     wills = [(forger, secured.endpoint_for(forger).password, f"{root}/{level}",
-              f"forged by {forger}") for forger, levels in WILL_FORGERS.items()
+              f"forged by {forger}", True) for forger, levels in WILL_FORGERS.items()
              for level in levels]
     witness, witness_level = WITNESS
-    wills.append((witness, secured.endpoint_for(witness).password, f"{root}/{witness_level}",
-                  "witness"))
+    witness_topic = f"{root}/{witness_level}"
+    wills.append((witness, secured.endpoint_for(witness).password, witness_topic, "witness",
+                  False))
     readers: dict[str, list[str]] = {}
     for level, (reader, _) in WILL_TARGETS.items():
         readers.setdefault(reader, []).append(f"{root}/{level}")
+    seen: dict[str, list[tuple[str, bytes]]] = {reader: [] for reader in readers}
     async with contextlib.AsyncExitStack() as stack:
         logins = {identity: await stack.enter_async_context(login(secured, identity))
                   for identity in {*readers, *(writer for _, writer in WILL_TARGETS.values())}}
+        for level in RETAINED_TARGETS:
+            await logins[WILL_TARGETS[level][1]].publish(f"{root}/{level}", b"baseline",
+                                                         qos=1, retain=True)
         for reader, topics in readers.items():
             for topic in topics:
                 await logins[reader].subscribe(topic, qos=1)
-        await logins["ops"].subscribe(f"{root}/{witness_level}", qos=1)
+        await logins["ops"].subscribe(witness_topic, qos=1)
         clients = subprocess.Popen(
             [sys.executable, "-c", _WILL_CLIENTS,
              json.dumps([endpoint.host, endpoint.port, endpoint.protocol == "5", wills])],
@@ -287,17 +303,25 @@ async def test_a_will_goes_only_where_its_identity_may_publish(secured: Plant) -
         finally:
             clients.kill()  # SIGKILL: no DISCONNECT, so the broker owes every Will
             clients.wait()
-        seen = await first_message(logins["ops"])
-        assert (seen.topic.value, seen.payload) == (f"{root}/{witness_level}", b"witness")
+        await _read_until(logins["ops"], {(witness_topic, b"witness")}, seen["ops"])
         for level, (_, writer) in WILL_TARGETS.items():
             await logins[writer].publish(f"{root}/{level}", b"marker", qos=1)
         # Per subscriber the broker keeps order: a forged Will would come before the marker.
         for reader, topics in readers.items():
-            got: dict[str, bytes] = {}
-            while len(got) < len(topics):
-                message = await first_message(logins[reader])
-                got.setdefault(message.topic.value, bytes(message.payload))
-            assert got == dict.fromkeys(topics, b"marker"), f"{reader} received a forged Will"
+            await _read_until(logins[reader], {(topic, b"marker") for topic in topics},
+                              seen[reader])
+    forged = {reader: [m for m in got if m[1].startswith(b"forged")]
+              for reader, got in seen.items()}
+    assert not any(forged.values()), f"forged Wills arrived: {forged}"
+    retained: list[tuple[str, bytes]] = []
+    async with login(secured, "ops") as late:
+        for level in RETAINED_TARGETS:
+            await late.subscribe(f"{root}/{level}", qos=1)
+        while len(retained) < len(RETAINED_TARGETS):
+            message = await first_message(late)
+            retained.append((message.topic.value, bytes(message.payload)))
+    assert sorted(retained) == sorted((f"{root}/{level}", b"baseline")
+                                      for level in RETAINED_TARGETS)
 
 
 # -- the embedded broker under churn ---------------------------------------------------
