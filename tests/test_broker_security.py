@@ -229,6 +229,7 @@ WILL_FORGERS = {
     "coordinator": ["llm/request/plc-2", "status/stage-0"],
     "plc-1": list(WILL_TARGETS),  # a gateway (the HTTP gateway logs in as one)
     "ops": list(WILL_TARGETS),  # read-only
+    "bridge-line": list(WILL_TARGETS),  # a line broker's bridge (no stage on that line)
 }
 # The one allowed Will among them, connected last: once it arrives, the broker
 # has seen the killed process's connections drop.
@@ -244,14 +245,19 @@ host, port, v5, clients = json.loads(sys.argv[1])
 held = []
 for user, password, topic, payload, retain in clients:
     connected = threading.Event()
+    codes = []
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"will-{len(held)}",
                          protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
     client.username_pw_set(user, password)
     client.will_set(topic, payload, qos=1, retain=retain)
-    client.on_connect = lambda *args, connected=connected: connected.set()
+    def on_connect(client, userdata, flags, code, properties, codes=codes, done=connected):
+        codes.append(code)
+        done.set()
+    client.on_connect = on_connect
     client.connect(host, port)
     client.loop_start()
-    assert connected.wait(10), f"{user} did not connect"
+    assert connected.wait(10), f"{user} got no CONNACK"
+    assert not codes[0].is_failure, f"{user} was refused: {codes[0]}"
     held.append(client)
 print("ready", flush=True)
 threading.Event().wait()
@@ -266,9 +272,23 @@ async def _read_until(client: aiomqtt.Client, wanted: set[tuple[str, bytes]],
         seen.append((message.topic.value, bytes(message.payload)))
 
 
-async def test_a_will_goes_only_where_its_identity_may_publish(secured: Plant) -> None:
+@pytest.mark.parametrize("kind", SECURED_KINDS)
+async def test_a_will_goes_only_where_its_identity_may_publish(kind: str,
+                                                               tmp_path: Path) -> None:
     """A Will on a topic its identity may not publish to never arrives, after a kill -9,
     nor replaces a retained message."""
+    url = f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}"
+    line = BrokerSettings(url=f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}")  # for its bridge
+    secured = secured_plant(tmp_path, url, mqtt5=kind == "mosquitto").model_copy(
+        update={"brokers": {"line": line}})
+    broker = start_secured(kind, secured, tmp_path)
+    try:
+        await _forge_wills(secured)
+    finally:
+        broker.stop()
+
+
+async def _forge_wills(secured: Plant) -> None:
     root = secured.topic_root
     endpoint = secured.broker.endpoint()
     wills = [(forger, secured.endpoint_for(forger).password, f"{root}/{level}",
