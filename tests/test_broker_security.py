@@ -476,9 +476,9 @@ async def test_a_status_speaks_only_for_the_agent_its_topic_names(
         "coordinator": plant.coordinator.model_copy(update={"instances": ["b"]})})
     broker = start_secured("mosquitto", plant, tmp_path)
     # A bdseq above any real session's, so that neither is taken for a late Will.
-    lies = [AgentStatus(state="offline", role=role, agent_id=agent, pid=1, host="forged",
-                        version="0", bdseq=2**53)
-            for role, agent in [("stage", "stage-1"), ("coordinator", "coordinator.b")]]
+    lie = AgentStatus(state="offline", role="stage", agent_id="stage-1", pid=1, host="forged",
+                      version="0", bdseq=2**53)
+    lies = [lie, lie.model_copy(update={"role": "coordinator", "agent_id": "coordinator.b"})]
     request = GenerateRequest(id="after-lies", prompt="Alarm 4711 on press 3 means",
                               max_tokens=4, ignore_eos=True)
     try:
