@@ -273,8 +273,8 @@ async def _read_until(client: aiomqtt.Client, wanted: set[tuple[str, bytes]],
 
 
 @pytest.mark.parametrize("kind", SECURED_KINDS)
-async def test_a_will_goes_only_where_its_identity_may_publish(kind: str,
-                                                               tmp_path: Path) -> None:
+async def test_a_will_goes_only_where_its_identity_may_publish(
+        kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A Will on a topic its identity may not publish to never arrives, after a kill -9,
     nor replaces a retained message."""
     url = f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}"
@@ -286,6 +286,9 @@ async def test_a_will_goes_only_where_its_identity_may_publish(kind: str,
         await _forge_wills(secured)
     finally:
         broker.stop()
+    if kind == "amqtt":  # in this process: its log says what it dropped, and why
+        assert (f"dropped the Last Will of client 'will-0' (user 'stage-1'): it may not "
+                f"publish to '{secured.topic_root}/llm/response/plc-2/will'") in caplog.text
 
 
 async def _forge_wills(secured: Plant) -> None:
