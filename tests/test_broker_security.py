@@ -502,6 +502,29 @@ async def test_a_status_speaks_only_for_the_agent_its_topic_names(
     assert "stage node stage-0 went offline" in seen  # the lies, read as stage-0's
 
 
+# `edgebus ask` runs at once as one gateway: what reproduced the broadcast race.
+CONCURRENT_ASKS = 12
+
+
+async def test_asks_at_once_as_one_gateway_are_all_answered(
+        tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Several `edgebus ask` at once, each as the plant's first gateway (its default), on the
+    secured embedded broker: each gets its own answer."""
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
+                          model=tiny_llama, mqtt5=False)
+    broker = start_secured("amqtt", plant, tmp_path)
+    batch = [GenerateRequest(id=f"ask-{n}", prompt=f"Alarm {n} on press 3 means", max_tokens=4,
+                             ignore_eos=True) for n in range(CONCURRENT_ASKS)]
+    try:
+        async with running(plant):
+            responses = await asyncio.gather(*(ask(plant, r, timeout=60) for r in batch))
+    finally:
+        broker.stop()
+    assert [r.id for r in responses] == [r.id for r in batch]
+    assert all(r.error is None for r in responses), [r.error for r in responses]
+    assert "dictionary changed size" not in caplog.text
+
+
 async def _retained_as_ops(plant: Plant) -> dict[str, str]:
     """Every retained message an operator sees, by topic: each agent's status and the plan
     (there is nothing else to retain), collected until all of them have come."""
