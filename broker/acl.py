@@ -61,12 +61,16 @@ def access_rules(plant: Plant) -> dict[str, Access]:
             read=(topics.activations(stage.node),),
             write=_unique([*(topics.activations(t) for t in _act_targets(plant, stage.node)),
                            topics.status(stage.node), topics.events]))
+    # Several coordinators (coordinator.instances) log in as the coordinator, each with a
+    # status and a Will of its own: the others watch it to drain its session when it dies.
+    instances = [f"{coordinator}.{name}" for name in plant.coordinator.instances]
     rules[coordinator] = Access(
         read=(topics.request_filter, topics.cancel_filter, topics.status_filter,
               topics.activations(coordinator)),
         # It sends RELEASE frames to every node of a route, so to every node.
         write=(*(topics.activations(s.node) for s in plant.stages), f"{root}/llm/response/#",
-               topics.status(coordinator), topics.events, topics.plan))
+               *(topics.status(agent) for agent in [coordinator, *instances]), topics.events,
+               topics.plan))
     security = plant.security
     for gateway in security.gateways if security else []:
         rules[gateway] = Access(
@@ -84,7 +88,6 @@ def access_rules(plant: Plant) -> dict[str, Access]:
         rules[ops] = Access(read=(f"{root}/status/#", topics.events, topics.plan, *host_read),
                             write=tuple(host_write))
     if group is not None:
-        instances = [f"{coordinator}.{name}" for name in plant.coordinator.instances]
         for stage in plant.stages:
             rules[stage.node] = _edge_nodes(rules[stage.node], group, [stage.node])
         rules[coordinator] = _edge_nodes(rules[coordinator], group, [coordinator, *instances],

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections import deque
 from types import TracebackType
 from typing import Any
 
 from amqtt.broker import Broker
-from amqtt.contexts import BrokerConfig, ListenerConfig, ListenerType
+from amqtt.contexts import Action, BrokerConfig, ListenerConfig, ListenerType
 from amqtt.errors import BrokerError
+from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
@@ -67,8 +69,21 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
-    """amqtt's Broker with two fixes to how it treats connecting clients.
+    """amqtt's Broker with fixes to how it treats clients (amqtt 0.12.1).
 
+    - A Last Will must be one its client may publish: amqtt publishes Wills
+      without the topic ACL it applies to every other publish, so any identity
+      could forge an answer, a request, a status or the plan by setting its
+      Will there and dropping its connection. Such a Will is dropped at
+      CONNECT, with a warning, as Mosquitto 2.0 drops it; the client is still
+      admitted, since its Will is no part of what it may do.
+    - A message is delivered to every subscriber that held a matching
+      subscription when its broadcast began. amqtt walks its subscription
+      table while awaiting each receiver's ACL check: a client subscribing or
+      leaving meanwhile raised "dictionary changed size during iteration" (12
+      `edgebus ask` beside `edgebus status`, security on) and the message was
+      lost for every subscriber not yet reached. The walk now runs over a copy
+      taken without awaiting, as the CONNECT fix below does.
     - It closes every client socket when its connection handler ends, and
       can close them all at once before a shutdown (see `close_connections`).
     - On CONNECT, amqtt 0.12.1 walks *every* client's subscription filters
@@ -86,6 +101,37 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
         holders = self._subscriptions.get(subscription[0], ())
         if any(holder is session for holder, _ in holders):
             await super()._publish_retained_messages_for_subscription(subscription, session)
+
+    async def _authenticate(self, session: Session, listener: ListenerConfig) -> bool:
+        admitted: bool = await super()._authenticate(session, listener)
+        if admitted and session.will_flag and not await self._topic_filtering(
+                session, session.will_topic, Action.PUBLISH):
+            logger.warning("dropped the Last Will of client %r (user %r): it may not publish "
+                           "to %r", session.client_id, session.username, session.will_topic)
+            session.will_flag = False
+            session.will_retain = False
+            session.will_topic = session.will_message = None
+        return admitted
+
+    async def _run_broadcast(self, running_tasks: deque[asyncio.Task[Any]]) -> None:
+        """amqtt 0.12.1's `_run_broadcast`, delivering to a copy of the matching subscriptions."""
+        broadcast = await self._broadcast_queue.get()
+        topic = broadcast["topic"]
+        targets = [target for a_filter, subscriptions in self._subscriptions.items()
+                   if self._matches(topic, a_filter) for target in subscriptions]
+        for session, sub_qos in targets:
+            qos = broadcast.get("qos", sub_qos)
+            if not await self._topic_filtering(session, topic=topic, action=Action.RECEIVE):
+                continue
+            connected = session.transitions.state == "connected"
+            # As amqtt: a persistent session that is offline keeps QoS 1 and 2
+            # messages for its return [MQTT 3.1.2.4]; a connected one gets it now.
+            if (not connected and not session.clean_session and qos in (QOS_1, QOS_2)
+                    and not session.is_anonymous):
+                await self._retain_broadcast_message(broadcast, qos, session)
+            elif connected and (handler := self._get_handler(session)):
+                running_tasks.append(asyncio.ensure_future(
+                    handler.mqtt_publish(topic, broadcast["data"], qos, retain=False)))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

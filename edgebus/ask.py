@@ -56,7 +56,10 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
         elif topic == f"{response_topic}/stream" and on_delta is not None:
             on_delta(StreamDelta.model_validate_json(payload).delta)
 
-    bus = BusClient(endpoint, f"{plant.plant_id}.{client_id}",
+    # A client id of its own: several `ask` may run at once as one gateway, and a broker
+    # ends (Mosquitto) or strips of its subscriptions (amqtt 0.12.1) the connection whose
+    # client id a newcomer takes, which then waited 30 s for a status that never came.
+    bus = BusClient(endpoint, f"{plant.plant_id}.{client_id}.{secrets.token_hex(4)}",
                     subscriptions=[(status_topic, 1), (response_topic, 1),
                                    (f"{response_topic}/stream", 1)])
     runner = asyncio.create_task(bus.run(on_message))

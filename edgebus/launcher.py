@@ -406,6 +406,7 @@ class StatusWatch:
         self._pids: dict[str, int | None] = {}
         self._bdseq: dict[str, int] = {}
         plant = processes.plant
+        self.topics = plant.topics
         self.bus = BusClient(plant.ops_endpoint(), f"{plant.plant_id}.up-{secrets.token_hex(4)}",
                              subscriptions=[(plant.topics.status_filter, 1)])
         self._runner: asyncio.Task[None] | None = None
@@ -421,16 +422,18 @@ class StatusWatch:
             await asyncio.gather(self._runner, return_exceptions=True)
 
     def _on_message(self, message: aiomqtt.Message) -> None:
-        if not isinstance(message.payload, bytes | str):
+        # Whose status it is comes from the topic, which only that agent may write.
+        agent = self.topics.agent_of_status_topic(message.topic.value)
+        if agent is None or not isinstance(message.payload, bytes | str):
             return
         try:
             status = AgentStatus.model_validate_json(message.payload)
         except ValidationError:
             return  # not an agent status, so nothing to watch
-        if status.bdseq < self._bdseq.get(status.agent_id, 0):
+        if status.bdseq < self._bdseq.get(agent, 0):
             return
-        self._bdseq[status.agent_id] = status.bdseq
-        self._pids[status.agent_id] = status.pid if status.state == "online" else None
+        self._bdseq[agent] = status.bdseq
+        self._pids[agent] = status.pid if status.state == "online" else None
 
     def check(self) -> None:
         """Raise what ended the watch: a refused connection (credentials, ACL) ends it."""

@@ -63,8 +63,10 @@ async def collect(plant: Plant, wait_s: float = DEFAULT_WAIT_S) -> ClusterView:
         try:
             if message.topic.matches(topics.plan):
                 view.plan = Plan.model_validate_json(payload)
-            else:
-                view.take(AgentStatus.model_validate_json(payload))
+            elif (agent := topics.agent_of_status_topic(message.topic.value)) is not None:
+                # Whose status it is comes from the topic, which only that agent may write.
+                view.take(AgentStatus.model_validate_json(payload).model_copy(
+                    update={"agent_id": agent}))
         except ValidationError:
             pass  # not ours (another tool's retained message): nothing to show
 

@@ -84,6 +84,17 @@ class Topics:
     def status_filter(self) -> str:
         return f"{self.root}/status/+"
 
+    def agent_of_status_topic(self, topic: str) -> str | None:
+        """The agent id in a status topic, or None if `topic` is not one.
+
+        Whose status a message is comes from here, never from its payload: the
+        broker lets each identity publish only on its own status topic, while
+        the JSON says whatever its sender wrote.
+        """
+        prefix = f"{self.root}/status/"
+        agent = topic.removeprefix(prefix)
+        return agent if topic.startswith(prefix) and agent and "/" not in agent else None
+
     @property
     def events(self) -> str:
         return f"{self.root}/events"

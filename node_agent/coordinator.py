@@ -74,7 +74,7 @@ from edgebus.messages import (
 from edgebus.topics import check_level
 from node_agent.engines import kv_reservation
 from node_agent.groups import Outbox
-from node_agent.journal import Entry, Journal, default_directory
+from node_agent.journal import Entry, Journal, JournalLock, default_directory
 from node_agent.model_config import generation_eos, load_config
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, publish_plan, run_agent, serve_until, sparkplug_node
@@ -310,6 +310,8 @@ class Coordinator:
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="coordinator-decode")
         self.journal = Journal(journal_dir or default_directory(
             plant.plant_id, plant.topic_root, self.agent_id))
+        self._journal_lock = JournalLock(self.journal.directory)
+        self._journal_lock.acquire()  # released when serve() ends
         self._resume = self.journal.open()  # what a previous run left unanswered
         self._peers: dict[str, Peer] = {}
         self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0,
@@ -347,6 +349,7 @@ class Coordinator:
                     peer.drain.cancel()
             self._decoder.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            self._journal_lock.release()
 
     # -- dispatch (event loop, must not block) -----------------------------------
 
@@ -359,8 +362,8 @@ class Coordinator:
             self._on_request(message, self.bus)
         elif (client := self.topics.client_of_cancel_topic(topic)) is not None:
             self._on_cancel(client, payload)
-        elif topic.startswith(self.topics.status_filter[:-1]):
-            self._on_status(payload, retained=bool(message.retain))
+        elif (agent := self.topics.agent_of_status_topic(topic)) is not None:
+            self._on_status(agent, payload, retained=bool(message.retain))
 
     def _on_request(self, message: aiomqtt.Message, bus: BusClient) -> None:
         """Serve a request that came in on `bus` (ours, or a dead peer's session we drain)."""
@@ -441,15 +444,22 @@ class Coordinator:
 
     # -- liveness ------------------------------------------------------------------
 
-    def _on_status(self, payload: bytes, *, retained: bool) -> None:
+    def _is_coordinator(self, agent: str) -> bool:
+        """Whether `agent` is this plant's coordinator or one of its declared instances."""
+        instance = agent.removeprefix(f"{self.spec.id}.")
+        return agent == self.spec.id or (instance != agent and instance in self.spec.instances)
+
+    def _on_status(self, agent: str, payload: bytes, *, retained: bool) -> None:
+        """The status of `agent`, the agent its topic names: the payload's own `agent_id`
+        and `role` are ignored, so an identity can speak only for itself."""
         try:
             status = AgentStatus.model_validate_json(payload)
         except ValueError:
             return
-        if status.role == "coordinator":
-            self._on_peer_status(status)
+        if self._is_coordinator(agent):
+            self._on_peer_status(agent, status)
             return
-        node = self.health.get(status.agent_id)
+        node = self.health.get(agent)
         if node is None:
             return  # an agent of another plant file
         now = time.monotonic()
@@ -460,16 +470,16 @@ class Coordinator:
             # A Will delivered late, after the node's next birth, is about a
             # session already replaced: bdseq only grows (Sparkplug's bdSeq).
             if node.session is None or status.bdseq >= node.session[2]:
-                self._set_alive(status.agent_id, False, "went offline")
+                self._set_alive(agent, False, "went offline")
             return
         if now - age > node.seen:
             node.seen = now - age
         if node.session is not None and session != node.session:
             # A new MQTT session: its subscription lapsed in between, so frames
             # sent to it meanwhile are gone; a new process has no caches at all.
-            self._fail_over(status.agent_id, "reconnected")
+            self._fail_over(agent, "reconnected")
         node.session = session
-        self._set_alive(status.agent_id, now - node.seen < self.liveness.timeout_s, "is stale")
+        self._set_alive(agent, now - node.seen < self.liveness.timeout_s, "is stale")
 
     async def _watch_heartbeats(self) -> None:
         while True:
@@ -508,7 +518,7 @@ class Coordinator:
 
     # -- other coordinators (MQTT 5) ---------------------------------------------------
 
-    def _on_peer_status(self, status: AgentStatus) -> None:
+    def _on_peer_status(self, peer_id: str, status: AgentStatus) -> None:
         """Track the plant's other coordinators; serve a dead one's session until it is back.
 
         With a shared subscription the broker hands requests to every member's
@@ -518,9 +528,7 @@ class Coordinator:
         coordinator's client id and serves what the broker holds there. The
         coordinator coming back takes its session back (the broker ends ours).
         """
-        peer_id = status.agent_id
-        if (not self.shared or peer_id == self.agent_id
-                or not (peer_id == self.spec.id or peer_id.startswith(f"{self.spec.id}."))):
+        if not self.shared or peer_id == self.agent_id:
             return
         peer = self._peers.setdefault(peer_id, Peer(online=False, bdseq=0))
         if status.bdseq < peer.bdseq:

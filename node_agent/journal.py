@@ -17,6 +17,7 @@ and at most `MAX_BAD` unreadable entries set aside.
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import json
 import logging
@@ -25,6 +26,8 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from edgebus.errors import EdgebusError
 
 log = logging.getLogger(__name__)
 
@@ -165,3 +168,65 @@ def default_directory(plant_id: str, topic_root: str, agent_id: str) -> Path:
         home = str(Path(cache) / "edgebus")
     root = hashlib.sha256(topic_root.encode()).hexdigest()[:8]
     return Path(home) / "journal" / f"{plant_id}-{root}" / agent_id
+
+
+# In the journal's directory, so that it names exactly what it guards; a dot hides
+# it from `open()`'s glob of entries.
+_LOCK_NAME = ".lock"
+
+
+class JournalLock:
+    """The one coordinator process that serves a journal holds this (`flock`).
+
+    Two coordinators with one id and one journal (a second `edgebus coordinator`
+    on the box, started by hand beside systemd's) would take turns at one MQTT
+    session, each ending the other's, and both serve the journal: the second
+    is refused at start instead. The kernel drops the lock with the process,
+    so a `kill -9` leaves nothing to clean up by hand.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / _LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise EdgebusError naming the process that holds it."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise EdgebusError(
+                    f"another coordinator process (pid {holder}) serves the journal "
+                    f"{self.directory}: it holds {self.path}. Two coordinators with one id "
+                    "would fight over one MQTT session: stop the other one, or run this one "
+                    "as another of coordinator.instances (EDGEBUS_INSTANCE)") from None
+            # A holder releasing it unlinks the file: a lock on that old file guards
+            # nothing, since the next process creates and locks a new one.
+            try:
+                current = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let the lock go; an empty journal then leaves no directory behind."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # while still held: see acquire()
+        os.close(fd)
+        for directory in (self.directory, self.directory.parent):
+            try:
+                directory.rmdir()
+            except OSError:  # not empty: requests left for the next run, or other journals
+                break

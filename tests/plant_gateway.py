@@ -156,18 +156,27 @@ async def gateway(plant: Plant, client_id: str = "plc", *,
     """
     gw = Gateway(plant, client_id, resend=resend)
     topics = plant.topics
-    bus = BusClient(plant.broker.endpoint(), f"{plant.plant_id}.{client_id}",
+    watched = [(topics.status_filter, 1), (topics.events, 1)]
+    # With security on, `client_id` must be one of security.gateways, and the statuses
+    # and events, which a gateway may not read, come through the plant's ops identity.
+    secured = plant.security is not None
+    bus = BusClient(plant.endpoint_for(client_id) if secured else plant.broker.endpoint(),
+                    f"{plant.plant_id}.{client_id}",
                     subscriptions=[(topics.response_filter(client_id), 1),
-                                   (topics.status_filter, 1), (topics.events, 1)],
+                                   *([] if secured else watched)],
                     persistent=True)
+    watch = [BusClient(plant.ops_endpoint(), f"{plant.plant_id}.{client_id}-watch",
+                       subscriptions=watched)] if secured else []
     gw.bus = bus
-    runner = asyncio.create_task(bus.run(gw.on_message))
+    runners = [asyncio.create_task(client.run(gw.on_message)) for client in [bus, *watch]]
     try:
-        await bus.wait_connected(10)
+        for client in [bus, *watch]:
+            await client.wait_connected(10)
         yield gw, bus
     finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
 
 
 async def send(bus: BusClient, plant: Plant, batch: list[GenerateRequest],

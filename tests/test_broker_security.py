@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
 import secrets
 import signal
@@ -210,6 +211,183 @@ def test_an_unknown_identity_gets_a_clear_error(tmp_path: Path) -> None:
         plant.endpoint_for("plc-1")
 
 
+# -- Last Wills ----------------------------------------------------------------------------
+
+# Where a forged Will could do harm (topic under the root: who reads it, who may write it).
+WILL_TARGETS = {
+    "llm/response/plc-2/will": ("plc-2", "coordinator"),  # a forged answer
+    "llm/request/plc-2": ("coordinator", "plc-2"),  # a request in another gateway's name
+    "status/stage-0": ("ops", "stage-0"),  # a fake status
+    "plan": ("ops", "coordinator"),  # an overwritten plan
+    "act/stage-0": ("stage-0", "coordinator"),  # a frame pushed into a stage
+}
+# Targets whose retained message a forged Will (all are retained) must not replace.
+RETAINED_TARGETS = ["status/stage-0", "plan"]
+# Every kind of identity, and the targets of WILL_TARGETS it may not publish to.
+WILL_FORGERS = {
+    "stage-1": list(WILL_TARGETS),  # a stage node
+    "coordinator": ["llm/request/plc-2", "status/stage-0"],
+    "plc-1": list(WILL_TARGETS),  # a gateway (the HTTP gateway logs in as one)
+    "ops": list(WILL_TARGETS),  # read-only
+    "bridge-line": list(WILL_TARGETS),  # a line broker's bridge (no stage on that line)
+}
+# The one allowed Will among them, connected last: once it arrives, the broker
+# has seen the killed process's connections drop.
+WITNESS = ("stage-1", "status/stage-1")
+
+# A client process holding one MQTT connection per (user, password, will topic,
+# will payload, retain) of argv[1]; it says "ready" once every one is connected, then
+# waits for its kill.
+_WILL_CLIENTS = """
+import json, sys, threading
+import paho.mqtt.client as mqtt
+host, port, v5, clients = json.loads(sys.argv[1])
+held = []
+for user, password, topic, payload, retain in clients:
+    connected = threading.Event()
+    codes = []
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"will-{len(held)}",
+                         protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
+    client.username_pw_set(user, password)
+    client.will_set(topic, payload, qos=1, retain=retain)
+    def on_connect(client, userdata, flags, code, properties, codes=codes, done=connected):
+        codes.append(code)
+        done.set()
+    client.on_connect = on_connect
+    client.connect(host, port)
+    client.loop_start()
+    assert connected.wait(10), f"{user} got no CONNACK"
+    assert not codes[0].is_failure, f"{user} was refused: {codes[0]}"
+    held.append(client)
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+async def _read_until(client: aiomqtt.Client, wanted: set[tuple[str, bytes]],
+                      seen: list[tuple[str, bytes]]) -> None:
+    """Append what `client` receives to `seen` until every (topic, payload) of `wanted` came."""
+    while not wanted <= set(seen):
+        message = await first_message(client)
+        seen.append((message.topic.value, bytes(message.payload)))
+
+
+@pytest.mark.parametrize("kind", SECURED_KINDS)
+async def test_a_will_goes_only_where_its_identity_may_publish(
+        kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A Will on a topic its identity may not publish to never arrives, after a kill -9,
+    nor replaces a retained message."""
+    url = f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}"
+    line = BrokerSettings(url=f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}")  # for its bridge
+    secured = secured_plant(tmp_path, url, mqtt5=kind == "mosquitto").model_copy(
+        update={"brokers": {"line": line}})
+    broker = start_secured(kind, secured, tmp_path)
+    try:
+        await _forge_wills(secured)
+    finally:
+        broker.stop()
+    if kind == "amqtt":  # in this process: its log says what it dropped, and why
+        assert (f"dropped the Last Will of client 'will-0' (user 'stage-1'): it may not "
+                f"publish to '{secured.topic_root}/llm/response/plc-2/will'") in caplog.text
+
+
+async def _forge_wills(secured: Plant) -> None:
+    root = secured.topic_root
+    endpoint = secured.broker.endpoint()
+    wills = [(forger, secured.endpoint_for(forger).password, f"{root}/{level}",
+              f"forged by {forger}", True) for forger, levels in WILL_FORGERS.items()
+             for level in levels]
+    witness, witness_level = WITNESS
+    witness_topic = f"{root}/{witness_level}"
+    wills.append((witness, secured.endpoint_for(witness).password, witness_topic, "witness",
+                  False))
+    readers: dict[str, list[str]] = {}
+    for level, (reader, _) in WILL_TARGETS.items():
+        readers.setdefault(reader, []).append(f"{root}/{level}")
+    seen: dict[str, list[tuple[str, bytes]]] = {reader: [] for reader in readers}
+    async with contextlib.AsyncExitStack() as stack:
+        logins = {identity: await stack.enter_async_context(login(secured, identity))
+                  for identity in {*readers, *(writer for _, writer in WILL_TARGETS.values())}}
+        for level in RETAINED_TARGETS:
+            await logins[WILL_TARGETS[level][1]].publish(f"{root}/{level}", b"baseline",
+                                                         qos=1, retain=True)
+        for reader, topics in readers.items():
+            for topic in topics:
+                await logins[reader].subscribe(topic, qos=1)
+        await logins["ops"].subscribe(witness_topic, qos=1)
+        clients = subprocess.Popen(
+            [sys.executable, "-c", _WILL_CLIENTS,
+             json.dumps([endpoint.host, endpoint.port, endpoint.protocol == "5", wills])],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert clients.stdout is not None
+            ready = await asyncio.wait_for(asyncio.to_thread(clients.stdout.readline), WAIT_S)
+            assert ready.strip() == "ready"
+        finally:
+            clients.kill()  # SIGKILL: no DISCONNECT, so the broker owes every Will
+            clients.wait()
+        await _read_until(logins["ops"], {(witness_topic, b"witness")}, seen["ops"])
+        for level, (_, writer) in WILL_TARGETS.items():
+            await logins[writer].publish(f"{root}/{level}", b"marker", qos=1)
+        # Per subscriber the broker keeps order: a forged Will would come before the marker.
+        for reader, topics in readers.items():
+            await _read_until(logins[reader], {(topic, b"marker") for topic in topics},
+                              seen[reader])
+    forged = {reader: [m for m in got if m[1].startswith(b"forged")]
+              for reader, got in seen.items()}
+    assert not any(forged.values()), f"forged Wills arrived: {forged}"
+    retained: list[tuple[str, bytes]] = []
+    async with login(secured, "ops") as late:
+        for level in RETAINED_TARGETS:
+            await late.subscribe(f"{root}/{level}", qos=1)
+        while len(retained) < len(RETAINED_TARGETS):
+            message = await first_message(late)
+            retained.append((message.topic.value, bytes(message.payload)))
+    assert sorted(retained) == sorted((f"{root}/{level}", b"baseline")
+                                      for level in RETAINED_TARGETS)
+
+
+# -- the embedded broker under churn ---------------------------------------------------
+
+# Messages published while clients come and go: amqtt's broadcast race (see
+# broker.embedded._Broker) lost one within the first few dozen here, on 2 cores.
+CHURN_MESSAGES = 300
+CHURNERS = 6  # clients subscribing and leaving over and over, each its own connection
+
+
+async def test_the_embedded_broker_delivers_every_message_while_clients_come_and_go(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With security on, a subscriber gets every message though others subscribe and leave
+    all the while (what `edgebus status` beside a burst of `edgebus ask` does)."""
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}", mqtt5=False)
+    broker = start_secured("amqtt", plant, tmp_path)
+    topic = plant.topics.status("stage-0")
+    sent = [f"{n}".encode() for n in range(CHURN_MESSAGES)]
+    published = asyncio.Event()
+
+    async def churn() -> None:
+        while not published.is_set():
+            async with login(plant, "ops") as passer:
+                await passer.subscribe(f"{plant.topic_root}/status/#", qos=1)
+
+    try:
+        async with login(plant, "ops") as reader, login(plant, "stage-0") as writer:
+            await reader.subscribe(topic, qos=1)
+            churners = [asyncio.create_task(churn()) for _ in range(CHURNERS)]
+            for payload in sent:
+                await writer.publish(topic, payload, qos=1)
+            published.set()
+            await asyncio.gather(*churners)
+            await writer.publish(topic, b"end", qos=1)
+            received = []
+            while (message := await first_message(reader)).payload != b"end":
+                received.append(bytes(message.payload))
+    finally:
+        broker.stop()
+    assert "dictionary changed size" not in caplog.text
+    assert received == sent, f"{len(sent) - len(received)} message(s) lost"
+
+
 # -- TLS ---------------------------------------------------------------------------------
 
 
@@ -288,6 +466,63 @@ async def test_a_request_runs_end_to_end_and_no_secret_leaks(
         <= retained.keys()
     for password in passwords:
         assert password not in seen
+
+
+async def test_a_status_speaks_only_for_the_agent_its_topic_names(
+        tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A stage node may write its own status only, whatever its JSON claims: a claim to be
+    another stage, or a coordinator instance, is taken as the stage's own status."""
+    caplog.set_level(logging.INFO)
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
+                          model=tiny_llama)
+    plant = plant.model_copy(update={  # several coordinators: a peer's death starts a drain
+        "coordinator": plant.coordinator.model_copy(update={"instances": ["b"]})})
+    broker = start_secured("mosquitto", plant, tmp_path)
+    # A bdseq above any real session's, so that neither is taken for a late Will.
+    lie = AgentStatus(state="offline", role="stage", agent_id="stage-1", pid=1, host="forged",
+                      version="0", bdseq=2**53)
+    lies = [lie, lie.model_copy(update={"role": "coordinator", "agent_id": "coordinator.b"})]
+    request = GenerateRequest(id="after-lies", prompt="Alarm 4711 on press 3 means",
+                              max_tokens=4, ignore_eos=True)
+    try:
+        async with running(plant):
+            async with login(plant, "stage-0") as liar:
+                for lie in lies:
+                    await liar.publish(plant.topics.status("stage-0"), lie.model_dump_json(),
+                                       qos=1)
+            # Sent after the lies, so the coordinator has read them when it answers.
+            response = await ask(plant, request, client_id="plc-1", timeout=60)
+            seen = caplog.text  # before the agents stop, and say so
+    finally:
+        broker.stop()
+    assert response.error is None
+    assert response.tokens == reference_tokens(tiny_llama, request)
+    assert "stage-1 went offline" not in seen
+    assert "coordinator.b is offline" not in seen  # no drain of a peer
+    assert "stage node stage-0 went offline" in seen  # the lies, read as stage-0's
+
+
+# `edgebus ask` runs at once as one gateway: what reproduced the broadcast race.
+CONCURRENT_ASKS = 12
+
+
+async def test_asks_at_once_as_one_gateway_are_all_answered(
+        tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Several `edgebus ask` at once, each as the plant's first gateway (its default), on the
+    secured embedded broker: each gets its own answer."""
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
+                          model=tiny_llama, mqtt5=False)
+    broker = start_secured("amqtt", plant, tmp_path)
+    batch = [GenerateRequest(id=f"ask-{n}", prompt=f"Alarm {n} on press 3 means", max_tokens=4,
+                             ignore_eos=True) for n in range(CONCURRENT_ASKS)]
+    try:
+        async with running(plant):
+            responses = await asyncio.gather(*(ask(plant, r, timeout=60) for r in batch))
+    finally:
+        broker.stop()
+    assert [r.id for r in responses] == [r.id for r in batch]
+    assert all(r.error is None for r in responses), [r.error for r in responses]
+    assert "dictionary changed size" not in caplog.text
 
 
 async def _retained_as_ops(plant: Plant) -> dict[str, str]:

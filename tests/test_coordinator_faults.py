@@ -15,6 +15,8 @@ coordinator, has arrived by then; no order between coordinators is assumed.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,10 +31,13 @@ from plant_gateway import (
     send,
 )
 
+from broker.mosquitto_config import write_mosquitto_config
 from edgebus.errors import EdgebusError
+from edgebus.processes import LOOPBACK
 from node_agent.coordinator import Coordinator
 from node_agent.journal import default_directory
 from plant_config import Liveness, Plant, make_plant, write_plant
+from plant_config.schema import Security
 
 # Fast liveness, so a dead agent is seen within seconds.
 LIVENESS = Liveness(heartbeat_s=0.5, timeout_s=3.0, stage_wait_s=60.0)
@@ -42,16 +47,21 @@ LIVENESS = Liveness(heartbeat_s=0.5, timeout_s=3.0, stage_wait_s=60.0)
 # it), while `generate` for the expected tokens stays cheap.
 TOKENS = 48
 WAIT_S = 600.0
+# A refused coordinator exits once it has read the plant file and its tokenizer (~5 s
+# on 2 cores, importing torch): a wide margin for a loaded box.
+REFUSED_S = 120.0
 
 
 def write_plant_file(model: Path, broker: BrokerHandle, workdir: Path, plant_id: str, *,
-                     instances: tuple[str, ...] = ()) -> tuple[Path, Plant]:
+                     instances: tuple[str, ...] = (),
+                     security: Security | None = None) -> tuple[Path, Plant]:
     plant = make_plant(model, stages=2, broker=f"mqtt://{broker.host}:{broker.port}",
                        plant_id=plant_id)
     plant = plant.model_copy(update={
         "liveness": LIVENESS,
         "broker": plant.broker.model_copy(update={"protocol": "5" if broker.mqtt5 else "3.1.1"}),
-        "coordinator": plant.coordinator.model_copy(update={"instances": list(instances)})})
+        "coordinator": plant.coordinator.model_copy(update={"instances": list(instances)}),
+        "security": security})
     path = workdir / "plant.yaml"
     write_plant(plant, path)
     return path, plant
@@ -105,13 +115,19 @@ async def test_a_coordinator_killed_mid_generation_answers_every_request_once_re
 
 
 async def test_two_coordinators_share_requests_and_either_can_die(
-        tiny_llama: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
-    path, plant = write_plant_file(tiny_llama, mosquitto_broker, tmp_path, "pair",
-                                   instances=("b",))
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """With security on, as `edgebus init` sets it up: both log in as the coordinator,
+    and each one's status and Will, which the other watches, must pass the ACL."""
+    conf = tmp_path / "conf"
+    broker = MosquittoBroker(tmp_path / "mosquitto", include_dir=conf)
+    path, plant = write_plant_file(
+        tiny_llama, broker, tmp_path, "pair", instances=("b",),
+        security=Security(credentials=tmp_path / "credentials", gateways=["plc"], ops=["ops"]))
+    write_mosquitto_config(plant, conf, bind=LOOPBACK)
     first, second = plant.coordinator.id, f"{plant.coordinator.id}.b"
     processes = {first: "coordinator", second: "coordinator-b"}
     everyone = []
-    with AgentProcesses(path, tmp_path) as agents:
+    with broker, AgentProcesses(path, tmp_path) as agents:
         for stage in plant.stages:
             agents.start_stage(stage.node)
 
@@ -161,3 +177,27 @@ def test_several_coordinators_need_mqtt_5_and_a_declared_name(
     _, plant = write_plant_file(tiny_llama, mosquitto_broker, tmp_path, "mosquitto")
     with pytest.raises(EdgebusError, match=r"not in the plant file's coordinator\.instances"):
         Coordinator(plant, instance="c", journal_dir=tmp_path / "journal")
+
+
+async def test_a_second_coordinator_with_the_same_id_and_home_is_refused(
+        tiny_llama: Path, amqtt_broker: AmqttBroker, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`edgebus coordinator` started twice on one box (one by hand beside systemd's): the
+    second stops at once, naming the first, which goes on serving."""
+    path, plant = write_plant_file(tiny_llama, amqtt_broker, tmp_path, "twice")
+    monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))  # where the agents keep it
+    journal = default_directory(plant.plant_id, plant.topic_root, plant.coordinator.id)
+    with AgentProcesses(path, tmp_path) as agents:
+        agents.start_coordinator()
+        async with gateway(plant) as (gw, _):
+            await gw.until_online([plant.coordinator.id])
+        # Refused, it exits; let in, it would serve until killed and time out here.
+        second = subprocess.run([sys.executable, "-m", "edgebus", "coordinator", str(path)],
+                                env=agents.env, capture_output=True, text=True,
+                                timeout=REFUSED_S)
+        assert second.returncode != 0
+        assert f"another coordinator process (pid {agents.pid('coordinator')})" in second.stderr
+        assert agents.procs["coordinator"].poll() is None, agents.log("coordinator")
+        agents.kill("coordinator", signal.SIGTERM)
+        assert agents.procs["coordinator"].returncode == 0, agents.log("coordinator")
+    assert not journal.parent.exists()  # the lock went with it, and an empty journal
