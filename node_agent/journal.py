@@ -108,6 +108,10 @@ class Journal:
             stale.unlink(missing_ok=True)
         return entries
 
+    def is_empty(self) -> bool:
+        """No request is journaled (a coordinator's lock file aside)."""
+        return not any(self.directory.glob(f"*{_SUFFIX}"))
+
     def _bound_bad(self) -> None:
         bad = sorted(self.directory.glob(f"*{_BAD}"), key=lambda p: p.stat().st_mtime_ns)
         for old in bad[:max(0, len(bad) - MAX_BAD)]:

@@ -76,7 +76,7 @@ async def test_a_resumed_entry_is_answered_once_and_a_sampled_one_draws_the_same
                       seed=1234))
     async with gateway(plant) as (gw, _), running(plant):
         await gw.until(lambda: {"renamed", "sampled"} <= set(gw.responses), 120)
-        await gw.until(lambda: not journal.directory.exists(), 60)
+        await gw.until(journal.is_empty, 60)
         again = await ask(plant, sampled.model_copy(update={"id": "again", "seed": 1234}),
                           client_id="other")
     error = gw.responses["renamed"].error
@@ -109,7 +109,7 @@ async def test_a_request_journaled_before_security_was_turned_on_is_answered_onc
         await gateway.wait_connected(10)
         async with running(plant):
             for _ in range(600):  # the coordinator's start, on a busy machine: up to a minute
-                if answers and not journal.directory.exists():
+                if answers and journal.is_empty():
                     break
                 await asyncio.sleep(0.1)
     finally:

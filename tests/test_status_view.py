@@ -168,13 +168,17 @@ async def edgebus_status(plant_path: Path, *args: str) -> tuple[int, str]:
 
 async def status_json_until(plant_path: Path, done: Callable[[dict[str, Any]], bool]
                             ) -> tuple[int, dict[str, Any]]:
-    async with asyncio.timeout(EXPECT_S):
-        while True:
-            code, out = await edgebus_status(plant_path, "--json")
-            data = json.loads(out)
-            if done(data):
-                return code, data
-            await asyncio.sleep(HEARTBEAT_S)
+    data: dict[str, Any] = {}
+    try:
+        async with asyncio.timeout(EXPECT_S):
+            while True:
+                code, out = await edgebus_status(plant_path, "--json")
+                data = json.loads(out)
+                if done(data):
+                    return code, data
+                await asyncio.sleep(HEARTBEAT_S)
+    except TimeoutError:
+        raise AssertionError(f"`edgebus status` never showed it; last: {data}") from None
 
 
 def agent(data: dict[str, Any], agent_id: str) -> dict[str, Any]:
