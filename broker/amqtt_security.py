@@ -77,7 +77,9 @@ class ClientIdPlugin(BaseAuthPlugin):  # type: ignore[misc]  # amqtt is untyped
         plant_id: str = ""
         identities: list[str] = field(default_factory=list)
 
-    async def authenticate(self, *, session: Session) -> bool:
+    async def authenticate(self, *, session: Session) -> bool | None:
+        if session.username is None:
+            return None  # anonymous: refused, as no plugin vouches for it
         config = self.context.config
         owner = client_id_owner(config.plant_id, config.identities, session.client_id or "")
         if owner is not None and owner == session.username:
