@@ -135,6 +135,8 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
             await writer.close()
             raise
         # amqtt 0.12.1's `_authenticate` ignores the listener, and this broker has one.
+        # `_handle_client_session` authenticates again, as amqtt does: the same
+        # credentials and client id, so the same answer.
         if not await self._authenticate(session, self.listeners_config[_LISTENER_NAME]):
             await ConnackPacket.build(0, NOT_AUTHORIZED).to_stream(writer)
             await writer.close()
