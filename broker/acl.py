@@ -24,6 +24,23 @@ class Access:
     write: tuple[str, ...]
 
 
+def client_id_owner(plant_id: str, identities: Iterable[str], client_id: str) -> str | None:
+    """The identity that may connect with `client_id`, or None when none may.
+
+    An identity owns `<plant_id>.<identity>` and `<plant_id>.<identity>.<suffix>`
+    (several clients of one identity, e.g. `edgebus ask`, add a random suffix).
+    Identities may contain dots, so `sec.a.b` fits both `a` and `a.b`: the
+    longest identity wins, else identity `a` could take over `a.b`'s session.
+    """
+    prefix = f"{plant_id}."
+    if not client_id.startswith(prefix):
+        return None
+    rest = client_id.removeprefix(prefix)
+    fitting = [identity for identity in identities
+               if rest == identity or rest.startswith(f"{identity}.")]
+    return max(fitting, key=len, default=None)
+
+
 def _unique(items: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 

@@ -21,12 +21,16 @@ from collections import deque
 from types import TracebackType
 from typing import Any
 
+from amqtt.adapters import ReaderAdapter, WriterAdapter
 from amqtt.broker import Broker
 from amqtt.contexts import Action, BrokerConfig, ListenerConfig, ListenerType
-from amqtt.errors import BrokerError
+from amqtt.errors import AMQTTError, BrokerError, MQTTError
+from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
 from amqtt.mqtt.constants import QOS_1, QOS_2
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
+from amqtt.utils import gen_client_id
 
 from broker.exposure import refuse_open_listener
 from edgebus import sd_notify
@@ -77,6 +81,13 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
       Will there and dropping its connection. Such a Will is dropped at
       CONNECT, with a warning, as Mosquitto 2.0 drops it; the client is still
       admitted, since its Will is no part of what it may do.
+    - A CONNECT is authenticated before it touches the session of its client
+      id. amqtt deletes that session (a clean session) or hands it the
+      newcomer's user name and Will (a persistent one) first, and takes over
+      a connected one even when it then refuses the newcomer: any client,
+      with a wrong password too, could deafen or drop the coordinator by
+      connecting with its client id. A refused client now gets its CONNACK
+      "not authorized" and leaves the session table as it was.
     - A message is delivered to every subscriber that held a matching
       subscription when its broadcast began. amqtt walks its subscription
       table while awaiting each receiver's ACL check: a client subscribing or
@@ -112,6 +123,45 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
             session.will_retain = False
             session.will_topic = session.will_message = None
         return admitted
+
+    async def _initialize_client_session(
+            self, reader: ReaderAdapter, writer: WriterAdapter, remote_address: str,
+            remote_port: int) -> tuple[BrokerProtocolHandler, Session]:
+        """amqtt 0.12.1's `_initialize_client_session`, refusing before the session table."""
+        try:
+            handler, session = await BrokerProtocolHandler.init_from_connect(
+                reader, writer, self.plugins_manager)
+        except MQTTError:
+            await writer.close()
+            raise
+        # amqtt 0.12.1's `_authenticate` ignores the listener, and this broker has one.
+        # `_handle_client_session` authenticates again, as amqtt does: the same
+        # credentials and client id, so the same answer.
+        if not await self._authenticate(session, self.listeners_config[_LISTENER_NAME]):
+            await ConnackPacket.build(0, NOT_AUTHORIZED).to_stream(writer)
+            await writer.close()
+            raise AMQTTError(f"refused client {session.client_id!r} (user {session.username!r}) "
+                             f"from {remote_address}:{remote_port}")
+        if session.clean_session:
+            if session.client_id:
+                await self._delete_session(session.client_id)
+            else:
+                session.client_id = gen_client_id()
+            session.parent = 0
+        elif session.client_id in self._sessions:
+            # The persistent session, with what the new CONNECT brings.
+            existing, _ = self._sessions[session.client_id]
+            for attribute in ("will_flag", "will_message", "will_topic", "will_qos",
+                              "will_retain", "keep_alive", "username", "password"):
+                setattr(existing, attribute, getattr(session, attribute))
+            session = existing
+            session.parent = 1
+        else:
+            session.parent = 0
+        delay = self.config.get("timeout-disconnect-delay", 0)
+        if session.keep_alive > 0 and isinstance(delay, int):
+            session.keep_alive += delay
+        return handler, session
 
     async def _run_broadcast(self, running_tasks: deque[asyncio.Task[Any]]) -> None:
         """amqtt 0.12.1's `_run_broadcast`, delivering to a copy of the matching subscriptions."""

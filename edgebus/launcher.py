@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import errno
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -407,7 +406,7 @@ class StatusWatch:
         self._bdseq: dict[str, int] = {}
         plant = processes.plant
         self.topics = plant.topics
-        self.bus = BusClient(plant.ops_endpoint(), f"{plant.plant_id}.up-{secrets.token_hex(4)}",
+        self.bus = BusClient(plant.ops_endpoint(), plant.ops_client_id("up"),
                              subscriptions=[(plant.topics.status_filter, 1)])
         self._runner: asyncio.Task[None] | None = None
 

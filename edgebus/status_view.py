@@ -10,7 +10,6 @@ It only reads, so it works with an ops identity that may read nothing else.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +70,7 @@ async def collect(plant: Plant, wait_s: float = DEFAULT_WAIT_S) -> ClusterView:
             pass  # not ours (another tool's retained message): nothing to show
 
     endpoint = plant.ops_endpoint()
-    bus = BusClient(endpoint, f"{plant.plant_id}.status-{secrets.token_hex(4)}",
+    bus = BusClient(endpoint, plant.ops_client_id("status"),
                     subscriptions=[(topics.status_filter, 1), (topics.plan, 1)])
     runner = asyncio.create_task(bus.run(on_message))
     try:

@@ -8,6 +8,7 @@ silently falls back to a default.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -638,6 +639,16 @@ class Plant(_Section):
                                    "needs an ops identity — add one, e.g. `ops: [ops]`, and run "
                                    "`edgebus broker mosquitto-config` again")
         return self.endpoint_for(self.security.ops[0])
+
+    def ops_client_id(self, tool: str) -> str:
+        """A client id of its own for `tool` connecting through `ops_endpoint`.
+
+        With security on, a client id must be `<plant_id>.<identity>` or
+        `<plant_id>.<identity>.<suffix>` (broker.acl.client_id_owner); the
+        random part lets several tools watch at once.
+        """
+        ops = self.security.ops[0] if self.security is not None and self.security.ops else "ops"
+        return f"{self.plant_id}.{ops}.{tool}-{secrets.token_hex(4)}"
 
     @property
     def topics(self) -> Topics:

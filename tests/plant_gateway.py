@@ -165,7 +165,7 @@ async def gateway(plant: Plant, client_id: str = "plc", *,
                     subscriptions=[(topics.response_filter(client_id), 1),
                                    *([] if secured else watched)],
                     persistent=True)
-    watch = [BusClient(plant.ops_endpoint(), f"{plant.plant_id}.{client_id}-watch",
+    watch = [BusClient(plant.ops_endpoint(), plant.ops_client_id(f"{client_id}-watch"),
                        subscriptions=watched)] if secured else []
     gw.bus = bus
     runners = [asyncio.create_task(client.run(gw.on_message)) for client in [bus, *watch]]

@@ -36,6 +36,7 @@ from brokers import AmqttBroker, BrokerHandle, MosquittoBroker
 from certs import broker_tls
 from pipeline import reference_tokens, running
 
+from broker.acl import client_id_owner
 from broker.amqtt_security import plugins_for
 from broker.embedded import EmbeddedBroker
 from broker.mosquitto_config import write_mosquitto_config
@@ -101,7 +102,7 @@ async def login(plant: Plant, identity: str | None,
         password = password or plant.endpoint_for(identity).password
     async with aiomqtt.Client(
             endpoint.host, endpoint.port, username=user, password=password,
-            identifier=f"{plant.plant_id}.{identity}-{secrets.token_hex(3)}",
+            identifier=f"{plant.plant_id}.{identity}.{secrets.token_hex(3)}",
             protocol=aiomqtt.ProtocolVersion.V5 if endpoint.protocol == "5"
             else aiomqtt.ProtocolVersion.V311) as client:
         yield client
@@ -241,12 +242,13 @@ WITNESS = ("stage-1", "status/stage-1")
 _WILL_CLIENTS = """
 import json, sys, threading
 import paho.mqtt.client as mqtt
-host, port, v5, clients = json.loads(sys.argv[1])
+host, port, v5, plant_id, clients = json.loads(sys.argv[1])
 held = []
 for user, password, topic, payload, retain in clients:
     connected = threading.Event()
     codes = []
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"will-{len(held)}",
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
+                         client_id=f"{plant_id}.{user}.will-{len(held)}",
                          protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
     client.username_pw_set(user, password)
     client.will_set(topic, payload, qos=1, retain=retain)
@@ -287,8 +289,8 @@ async def test_a_will_goes_only_where_its_identity_may_publish(
     finally:
         broker.stop()
     if kind == "amqtt":  # in this process: its log says what it dropped, and why
-        assert (f"dropped the Last Will of client 'will-0' (user 'stage-1'): it may not "
-                f"publish to '{secured.topic_root}/llm/response/plc-2/will'") in caplog.text
+        assert ("dropped the Last Will of client 'sec.stage-1.will-0' (user 'stage-1'): it may "
+                f"not publish to '{secured.topic_root}/llm/response/plc-2/will'") in caplog.text
 
 
 async def _forge_wills(secured: Plant) -> None:
@@ -317,7 +319,8 @@ async def _forge_wills(secured: Plant) -> None:
         await logins["ops"].subscribe(witness_topic, qos=1)
         clients = subprocess.Popen(
             [sys.executable, "-c", _WILL_CLIENTS,
-             json.dumps([endpoint.host, endpoint.port, endpoint.protocol == "5", wills])],
+             json.dumps([endpoint.host, endpoint.port, endpoint.protocol == "5", secured.plant_id,
+                         wills])],
             stdout=subprocess.PIPE, text=True)
         try:
             assert clients.stdout is not None
@@ -407,7 +410,7 @@ async def test_a_tls_connection_with_a_ca_made_here(tmp_path: Path, mutual: bool
             client_cert.private_key_pem.write_to_path(str(tmp_path / "credentials" / "ops.key"))
         endpoint = plant.endpoint_for("ops")
         assert endpoint.tls and (endpoint.cert_file is not None) == mutual
-        bus = BusClient(endpoint, "sec.ops-tls", subscriptions=[(plant.topics.events, 1)])
+        bus = BusClient(endpoint, "sec.ops.tls", subscriptions=[(plant.topics.events, 1)])
         runner = asyncio.create_task(bus.run(lambda message: None))
         try:
             await bus.wait_connected(WAIT_S)
@@ -466,6 +469,64 @@ async def test_a_request_runs_end_to_end_and_no_secret_leaks(
         <= retained.keys()
     for password in passwords:
         assert password not in seen
+
+
+@pytest.mark.parametrize(("client_id", "owner"), [
+    ("sec.ops", "ops"), ("sec.ops.status-1a2b", "ops"), ("sec.coordinator.b", "coordinator"),
+    ("sec.ops-tls", None), ("sec.opsx", None), ("ops", None), ("other.ops", None), ("sec.", None),
+    # Identities may hold dots: the longest one named owns the id.
+    ("sec.line.a", "line.a"), ("sec.line.a.x", "line.a"), ("sec.line.b", "line")])
+def test_a_client_id_belongs_to_the_identity_it_names(client_id: str, owner: str | None) -> None:
+    identities = ["ops", "coordinator", "line", "line.a"]
+    assert client_id_owner("sec", identities, client_id) == owner
+
+
+async def _connect_as(plant: Plant, user: str, password: str, client_id: str, *,
+                      clean_session: bool) -> None:
+    """Log in as `user` with `client_id`, then leave with a DISCONNECT."""
+    endpoint = plant.broker.endpoint()
+    async with aiomqtt.Client(
+            endpoint.host, endpoint.port, username=user, password=password,
+            identifier=client_id, clean_session=clean_session, timeout=WAIT_S,
+            # 3.1.1 on both brokers: its clean-session flag says which session it takes.
+            protocol=aiomqtt.ProtocolVersion.V311):
+        pass
+
+
+@pytest.mark.parametrize("kind", SECURED_KINDS)
+async def test_another_identitys_client_id_does_not_silence_the_coordinator(
+        tiny_llama: Path, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A client logging in with the coordinator's client id: the embedded broker refuses it,
+    Mosquitto (which cannot bind client ids to users) knocks the coordinator off, and either
+    way the coordinator answers the next request."""
+    plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
+                          model=tiny_llama, mqtt5=kind == "mosquitto")
+    broker = start_secured(kind, plant, tmp_path)
+    coordinator = f"{plant.plant_id}.{plant.coordinator.id}"
+    ops_password = plant.endpoint_for("ops").password
+    assert ops_password is not None
+    # A clean session (amqtt deleted the coordinator's), a persistent one (amqtt handed it
+    # over), and a wrong password (amqtt did both before checking it).
+    squatters = [("ops", ops_password, True), ("ops", ops_password, False),
+                 ("stage-0", "not-its-password", True)]
+    request = GenerateRequest(id="after-squat", prompt="Alarm 4711 on press 3 means",
+                              max_tokens=4, ignore_eos=True)
+    try:
+        async with running(plant):
+            for user, password, clean in squatters:
+                if kind == "amqtt":
+                    with pytest.raises(aiomqtt.MqttCodeError, match=r"(?i)not authori"):
+                        await _connect_as(plant, user, password, coordinator,
+                                          clean_session=clean)
+                elif user == "ops":
+                    await _connect_as(plant, user, password, coordinator, clean_session=clean)
+            response = await ask(plant, request, client_id="plc-1", timeout=60)
+    finally:
+        broker.stop()
+    assert response.error is None
+    assert response.tokens == reference_tokens(tiny_llama, request)
+    if kind == "amqtt":
+        assert f"refused client id {coordinator!r} of user 'ops'" in caplog.text
 
 
 async def test_a_status_speaks_only_for_the_agent_its_topic_names(

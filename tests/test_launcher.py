@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -181,7 +180,7 @@ async def watch_statuses(plant: Plant, timeout: float = READY_S) -> AsyncIterato
         while True:
             client = aiomqtt.Client(endpoint.host, endpoint.port,
                                     username=endpoint.username, password=endpoint.password,
-                                    identifier=f"watch-{secrets.token_hex(4)}")
+                                    identifier=plant.ops_client_id("watch"))
             try:
                 await client.__aenter__()
                 break

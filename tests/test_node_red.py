@@ -128,6 +128,7 @@ async def test_a_plc_alarm_tag_gets_the_plants_answer_through_node_red(
     tags = f"plant-tags/{secrets.token_hex(4)}"
     env = {"EDGEBUS_BROKER_HOST": LOOPBACK, "EDGEBUS_BROKER_PORT": str(plant_endpoint.port),
            "EDGEBUS_TOPIC_ROOT": plant.topic_root, "EDGEBUS_GATEWAY": GATEWAY,
+           "EDGEBUS_CLIENT_ID": f"{plant.plant_id}.{GATEWAY}",
            "EDGEBUS_GATEWAY_PASSWORD": plant_endpoint.password or "",
            "PLC_BROKER_HOST": mosquitto_broker.host,
            "PLC_BROKER_PORT": str(mosquitto_broker.port), "PLC_TAG_ROOT": tags}

@@ -119,9 +119,11 @@ async def host(plant: Plant, identity: str | None = None) -> AsyncIterator[Host]
     assert plant.ops is not None and plant.ops.sparkplug is not None
     endpoint = plant.endpoint_for(identity) if identity else plant.broker.endpoint()
     host_id = f"scada-{secrets.token_hex(3)}"
+    # A secured broker admits only the client ids of the identity's own.
+    client_id = f"{plant.plant_id}.{identity}.{host_id}" if identity else host_id
     async with aiomqtt.Client(
             endpoint.host, endpoint.port, username=endpoint.username, password=endpoint.password,
-            identifier=host_id, will=aiomqtt.Will(f"spBv1.0/STATE/{host_id}", json.dumps(
+            identifier=client_id, will=aiomqtt.Will(f"spBv1.0/STATE/{host_id}", json.dumps(
                 {"online": False, "timestamp": get_current_timestamp()}), qos=1, retain=True),
             protocol=aiomqtt.ProtocolVersion.V5 if endpoint.protocol == "5"
             else aiomqtt.ProtocolVersion.V311) as client:

@@ -105,7 +105,7 @@ class Client:
                                  f"{plant.plant_id}.{self.client_id}",
                                  subscriptions=[(topics.response_filter(self.client_id), 1)],
                                  persistent=True)
-        self.ops = BusClient(plant.ops_endpoint(), f"{plant.plant_id}.rehearse-ops",
+        self.ops = BusClient(plant.ops_endpoint(), plant.ops_client_id("rehearse"),
                              subscriptions=[(topics.status_filter, 1)])
         self._tasks: list[asyncio.Task[None]] = []
 
