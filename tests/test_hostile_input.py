@@ -309,14 +309,7 @@ async def test_past_the_admission_limit_requests_get_busy_and_none_is_lost(
         await client.subscribe(f"{plant.topic_root}/llm/response/gw/+", qos=1)
         await asyncio.gather(*(client.publish(f"{plant.topic_root}/llm/request/gw",
                                               r.model_dump_json(), qos=1) for r in batch))
-        responses: dict[str, GenerateResponse] = {}
-        async with asyncio.timeout(WAIT_S):
-            async for message in client.messages:
-                assert isinstance(message.payload, bytes)
-                response = GenerateResponse.model_validate_json(message.payload)
-                responses[response.id] = response
-                if len(responses) == len(batch):
-                    break
+        responses = await _collect(client, len(batch))
     busy = [r for r in responses.values() if r.error is not None]
     assert busy and all(r.error is not None and r.error.code == "busy" for r in busy)
     assert len(busy) < len(batch)
