@@ -16,7 +16,7 @@ from typing import get_args
 from edgebus.errors import EdgebusError
 from plant_config.examples import EXAMPLES
 from plant_config.loader import DEFAULT_GATEWAYS
-from plant_config.schema import Plant, WeightMode, resolve_engine
+from plant_config.schema import GGUF_SUFFIX, Plant, WeightMode, resolve_engine
 
 # `edgebus init`'s stage count without --stages or --example: the demo's split.
 _DEFAULT_STAGES = 3
@@ -32,6 +32,8 @@ def _init(args: argparse.Namespace) -> None:
     from plant_config import init_plant_file
 
     gateways = _gateways(args.gateways)
+    if args.weights is None:  # a GGUF file runs on llama.cpp only (plant_config/schema.py)
+        args.weights = "gguf" if Path(args.model).suffix.lower() == GGUF_SUFFIX else "fp32"
     if args.example is not None:
         plant = _init_example(args, gateways)
     else:
@@ -362,7 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init", help="write a plant file with an even layer split, or an "
                                     "example plant split by the planner")
     p.add_argument("plant", help="plant file to write (YAML)")
-    p.add_argument("--model", required=True, help="model directory (HF layout)")
+    p.add_argument("--model", required=True,
+                   help="model directory (HF layout), or a .gguf file, which llama.cpp stages "
+                        "run as it is (weights: gguf)")
     p.add_argument("--stages", type=int, help=f"number of stages (default {_DEFAULT_STAGES})")
     p.add_argument("--replicas", type=int,
                    help="nodes per stage; more than 1 gives failover standbys (default 1)")
@@ -373,9 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "embedded; an example's own broker with --example)")
     p.add_argument("--topic-root", help="MQTT topic root (default edgebus/<plant id>)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plant file")
-    p.add_argument("--weights", choices=get_args(WeightMode), default="fp32",
-                   help="weight mode of every node (default fp32, the only token-exact one; "
-                        "see docs/weight-modes.md)")
+    p.add_argument("--weights", choices=get_args(WeightMode),
+                   help="weight mode of every node (default: gguf for a .gguf model, else "
+                        "fp32, the only mode token-exact against transformers; see "
+                        "docs/weight-modes.md)")
     p.add_argument("--gateways", default=",".join(DEFAULT_GATEWAYS), metavar="IDS",
                    help="comma-separated ids of the PLC/SCADA gateways that may ask, each "
                         f"with a password of its own (default {','.join(DEFAULT_GATEWAYS)})")
