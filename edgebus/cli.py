@@ -81,14 +81,15 @@ def _gateways(text: str) -> list[str]:
 
 
 def _init_example(args: argparse.Namespace, gateways: list[str]) -> Plant:
-    from node_agent.profile import model_costs
+    from node_agent.costs import model_costs, profiled_model
     from plant_config.examples import example_plant
     from plant_config.loader import with_security, write_new_plant
 
     if args.stages is not None or args.replicas is not None:
         raise EdgebusError(f"--example {args.example} sets the stages itself — drop --stages "
                            "and --replicas")
-    costs, _, _ = model_costs(Path(args.model).expanduser().resolve())
+    model = Path(args.model).expanduser().resolve()
+    costs, _, _ = model_costs(profiled_model(model, {resolve_engine("auto", args.weights)}))
     plant = example_plant(args.example, args.model, costs, broker=args.broker,
                           topic_root=args.topic_root, weights=args.weights)
     plant = _kv_budgets(plant)
@@ -115,17 +116,21 @@ def _plan(args: argparse.Namespace) -> None:
 
     plant = load_plant(args.plant)
     stages = plant_boxes(plant)
-    # After the plant's own checks: the profile imports torch, seconds a mistake need not wait.
-    from node_agent.profile import PROFILE_FILE, model_costs
+    # After the plant's own checks: a profile imports torch or llama.cpp, seconds a mistake
+    # need not wait.
+    from node_agent.costs import model_costs, profile_path, profiled_model
 
-    costs, measured, fresh = model_costs(plant.model, remeasure=args.profile)
+    profiled = profiled_model(plant.model, {resolve_engine(s.engine, s.weights)
+                                            for s in plant.stages})
+    costs, measured, fresh = model_costs(profiled, remeasure=args.profile)
     result = plan(costs, stages)
     if args.json:
         print(json.dumps(result.to_json()))
         return
-    source = "measured now" if fresh else f"cached in {plant.model / PROFILE_FILE}"
+    source = "measured now" if fresh else f"cached in {profile_path(profiled)}"
+    engine = "llama.cpp" if profiled.suffix.lower() == GGUF_SUFFIX else "torch fp32"
     print(f"plan for {args.plant}: {plant.model.name}, {costs.num_layers} layers; profile "
-          f"{source} ({measured.measured_at}; `--profile` measures again)")
+          f"in {engine}, {source} ({measured.measured_at}; `--profile` measures again)")
     current = evaluate(costs, stages, [stage.layers for stage in plant.pipeline])
     print(plan_table(result, costs, current))
 

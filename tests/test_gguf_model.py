@@ -26,11 +26,13 @@ from edgebus.cli import main
 from edgebus.errors import PlantConfigError
 from edgebus.model_import import bundled_gguf
 from node_agent import gguf_model
+from node_agent.costs import model_costs, profiled_model
 from node_agent.engines.llamacpp import library, stage_gguf
 from node_agent.engines.llamacpp.engine import MODEL_GGUF
 from node_agent.gguf_tokenizer import GgufTokenizer
 from node_agent.model_config import generation_eos, kv_bytes_per_token, load_config
 from plant_config import load_plant, make_plant, write_plant
+from plant_config.schema import BoxSpec
 
 # What the product reads of a model's config: the sizes frames and KV are checked and
 # booked by, and what a reader of config.json expects besides.
@@ -180,3 +182,33 @@ def test_the_bytes_of_each_part_are_the_files_tensors(bundled: Path) -> None:
     # Tied: the last stage runs the embedding's matrix as its LM head.
     assert "output.weight" not in tensors
     assert parts[gguf_model.HEAD] == tensors["output_norm.weight"] + tensors["token_embd.weight"]
+
+
+def test_a_llama_cpp_plant_is_profiled_in_llama_cpp(smollm2_dir: Path, bundled: Path) -> None:
+    assert profiled_model(smollm2_dir, {"llamacpp"}) == smollm2_dir / MODEL_GGUF
+    assert profiled_model(smollm2_dir, {"llamacpp", "onnxruntime"}) == smollm2_dir
+    assert profiled_model(bundled, {"llamacpp"}) == bundled
+
+
+@pytest.mark.slow
+def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
+        bundled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`edgebus plan` on a plant naming the GGUF: a profile measured in llama.cpp, cached in
+    $EDGEBUS_HOME, and each stage's weight bytes the file's tensors of its parts."""
+    monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))
+    plant = make_plant(bundled, stages=3, weights="gguf")
+    boxes = [{"name": s.node, "memory_mb": 4096, "speed": 1.0} for s in plant.stages]
+    path = tmp_path / "plant.yaml"
+    write_plant(plant.model_copy(update={"boxes": [BoxSpec(**b) for b in boxes]}), path)
+    main(["plan", str(path)])
+    assert "profile in llama.cpp, measured now" in capsys.readouterr().out
+    costs, measured, fresh = model_costs(bundled)
+    assert not fresh  # the plan's, from $EDGEBUS_HOME
+    assert (tmp_path / "home" / "profiles").is_dir()
+    assert all(ms > 0 for part in measured.layers for ms in part)
+    in_file = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(bundled)).tensors)
+    assert costs.weight_bytes((0, 30), "gguf") == in_file
+    # The tied embedding is the first stage's lookup table and the last stage's LM head.
+    stages = [costs.weight_bytes(layers, "gguf") for layers in SPLITS["3-stages"]]
+    assert sum(stages) == in_file + gguf_model.part_bytes(bundled)[gguf_model.EMBEDDING]

@@ -90,7 +90,10 @@ class LlamaCppEngine(StageEngine):
     name = "llamacpp"
 
     def __init__(self, model: Path, first: int, end: int, *, shape: ContextShape,
-                 threads: int, device: Device = "cpu") -> None:
+                 threads: int, device: Device = "cpu", observer: Any = None) -> None:
+        """`observer`: an eval callback (`ggml_backend_sched_eval_callback`) for a stage that
+        runs the head, which needs no capture: how the planner's profile times each layer
+        (node_agent/gguf_profile.py). Stages run without one."""
         self._llama = lowlevel = library.llama()
         self.config = load_config(model)
         self.slice = StageSlice(first, end, self.config.num_hidden_layers)
@@ -145,6 +148,8 @@ class LlamaCppEngine(StageEngine):
             context.cb_eval = library.callback_pointer()
             context.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._capture),
                                                     ctypes.c_void_p)
+        elif observer is not None:
+            context.cb_eval = observer
         self._context = lowlevel.llama_init_from_model(self._model, context)
         if not self._context:
             raise EngineError(f"llama.cpp could not make a context of {context.n_ctx} "
