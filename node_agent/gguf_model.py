@@ -3,8 +3,8 @@
 A plant whose stages all run llama.cpp may set `model:` to a `.gguf` file
 instead of an imported model directory (docs/plant-file.md). What the agents,
 the plant checks, `edgebus init` and `edgebus plan` need of the model then
-comes from the file itself, read with gguf-py (a base dependency; no torch,
-no transformers, no llama.cpp, nothing dequantized):
+comes from the file's header, walked here with gguf-py's key names and type
+codes (no torch, no transformers, no llama.cpp, nothing dequantized):
 
 - `read_config`: the numbers config.json would hold, under transformers'
   names (`hidden_size`, `num_key_value_heads`, `kv_lora_rank`, ...), so
@@ -52,7 +52,10 @@ def read_config(path: Path) -> SimpleNamespace:
     """The model's shape, under the names transformers' config.json gives it (see the
     module doc); the fields edgebus reads, and the few more a reader of config.json expects."""
     fields = _fields(path)
-    arch = str(fields["general.architecture"])
+    if gguf.Keys.General.ARCHITECTURE not in fields:
+        raise CheckpointError(f"{path} names no {gguf.Keys.General.ARCHITECTURE}: not a "
+                              "model GGUF")
+    arch = str(fields[gguf.Keys.General.ARCHITECTURE])
 
     def value(key: str, default: Any = None) -> Any:
         return fields.get(key.format(arch=arch), default)
