@@ -31,6 +31,7 @@ from node_agent.engines.llamacpp import library, stage_gguf
 from node_agent.engines.llamacpp.engine import MODEL_GGUF
 from node_agent.gguf_tokenizer import GgufTokenizer
 from node_agent.model_config import generation_eos, kv_bytes_per_token, load_config
+from node_agent.tokenizer import FileTokenizer
 from plant_config import load_plant, make_plant, write_plant
 from plant_config.schema import BoxSpec
 
@@ -86,9 +87,14 @@ def _same_config(path: Path, model_dir: Path) -> None:
     assert generation_eos(path) == eos
 
 
-def test_the_gguf_tokenizer_gives_transformers_ids_and_text(bundled: Path,
-                                                            smollm2_dir: Path) -> None:
-    ours, theirs = GgufTokenizer(bundled), AutoTokenizer.from_pretrained(smollm2_dir)
+@pytest.mark.parametrize("reader", ["transformers", "tokenizer.json"])
+def test_the_gguf_tokenizer_gives_the_imported_tokenizers_ids_and_text(
+        bundled: Path, smollm2_dir: Path, reader: str) -> None:
+    """Against transformers' tokenizer of the imported directory, and against FileTokenizer,
+    which a llama.cpp plant with an imported directory uses (node_agent/tokenizer.py)."""
+    ours = GgufTokenizer(bundled)
+    theirs: Any = (AutoTokenizer.from_pretrained(smollm2_dir) if reader == "transformers"
+                   else FileTokenizer(smollm2_dir))
     assert ours.eos_token_id == theirs.eos_token_id
     assert ours.special_tokens_map == {k: v for k, v in theirs.special_tokens_map.items()
                                        if isinstance(v, str)}
@@ -98,6 +104,9 @@ def test_the_gguf_tokenizer_gives_transformers_ids_and_text(bundled: Path,
         for skip in (False, True):
             assert (ours.decode(ids, skip_special_tokens=skip)
                     == theirs.decode(ids, skip_special_tokens=skip)), text
+        # What a stream decodes, a window at a time (node_agent/text.py).
+        for end in range(1, len(ids)):
+            assert ours.decode(ids[:end]) == theirs.decode(ids[:end]), (text, end)
     for chat in CHATS:
         assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
                 == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
@@ -107,11 +116,12 @@ def test_the_gguf_tokenizer_gives_transformers_ids_and_text(bundled: Path,
         assert ids == list(encoded["input_ids"])
         assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(
             ids, skip_special_tokens=True)
-    # A character split over tokens: an incomplete tail decodes to U+FFFD, as transformers',
+    # A character split over tokens: an incomplete tail decodes to U+FFFD, as the others',
     # which is what the coordinator's streaming waits on (node_agent/text.py).
     ids = ours("🤖")["input_ids"]
     assert len(ids) > 1
     assert ours.decode(ids[:1]) == theirs.decode(ids[:1])
+    assert ours.decode(ids[:1]).endswith("\ufffd")
 
 
 @pytest.mark.slow
