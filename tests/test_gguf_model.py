@@ -147,7 +147,7 @@ def test_a_gguf_model_with_a_stage_on_another_engine_is_refused(bundled: Path,
     path = tmp_path / "plant.yaml"
     write_plant(plant, path)
     assert load_plant(path).model == bundled
-    text = path.read_text().replace("weights: gguf", "weights: int4", 1)
+    text = path.read_text().replace("\n  weights: gguf", "\n  weights: int4", 1)
     path.write_text(text)
     with pytest.raises(PlantConfigError) as refused:
         load_plant(path)
