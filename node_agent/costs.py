@@ -93,7 +93,7 @@ def model_costs(model: Path, *, remeasure: bool = False) -> tuple[ModelCosts, Me
 def profiled_model(model: Path, engines: Collection[str]) -> Path:
     """What to profile for stages running `engines` on `model`: a model directory's GGUF
     when every stage runs llama.cpp, whose times are llama.cpp's, not torch fp32's (which
-    put a llama.cpp plant's predicted stage times 1.7-4x off, docs/rehearse.md); else
+    put a llama.cpp plant's predicted stage times 1.7-4x off, docs/benchmarks.md); else
     `model` itself."""
     gguf_file = Path(model) / GGUF_FILE
     if engines and set(engines) == {"llamacpp"} and gguf_file.is_file():
