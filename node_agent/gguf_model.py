@@ -192,6 +192,10 @@ class _Header:
         # A big-endian file's version reads as a huge number little-endian (as gguf-py tells).
         version = struct.unpack_from("<I", data, 4)[0]
         self.order = "<" if version & 0xFFFF else ">"
+        version = struct.unpack_from(self.order + "I", data, 4)[0]
+        if version not in _VERSIONS:
+            raise ValueError(f"GGUF version {version}, where llama.cpp reads versions "
+                             f"{' and '.join(map(str, _VERSIONS))}")
         self.offset = 8
 
     def take(self, fmt: str) -> Any:
@@ -244,6 +248,8 @@ class _StringArray:
 
 
 _MAGIC = b"GGUF"
+# Version 1 counted lengths in 32 bits; llama.cpp reads only these.
+_VERSIONS = (2, 3)
 # transformers' names of special tokens, and the GGUF keys of their ids.
 _SPECIAL_TOKENS = (("bos_token", gguf.Keys.Tokenizer.BOS_ID),
                    ("eos_token", gguf.Keys.Tokenizer.EOS_ID),
