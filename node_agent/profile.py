@@ -14,13 +14,9 @@ coordinator forms per request group: a step's cost is not the 1-row cost
 times the rows, nor the 1-row cost (on SmolLM2 here, 1.0x it for the head, 1.1-1.2x
 for a layer).
 
-Messages: every decode step crosses the broker once per hop, and the CPU that
-costs (the sending agent encoding and publishing BATCH_ROWS rows' frames,
-Mosquitto routing it, the receiving agent reading and decoding it) is spent on
-the boxes' shares like a forward pass. The profile measures it on loopback
-with a Mosquitto child and two `BusClient`s, as CPU time (not wall time: on a
-box with a CPU quota the CPU is what the quota rations). Without Mosquitto
-installed it is left unmeasured (`message` None).
+Messages: the CPU a decode message costs its agents and Mosquitto
+(node_agent/costs.py, which also caches and dispatches: a GGUF file is
+profiled in llama.cpp instead, node_agent/gguf_profile.py).
 
 Memory: weight bytes per part and weight mode come from the model's shapes
 (`weight_sizes.stored_bytes` on a meta-device skeleton, nothing loaded), and the
@@ -31,49 +27,35 @@ say, says nothing of an agent's).
 
 The measured part is cached as `edgebus-profile.json` in the model directory
 and reused while the host, torch version and checkpoint files are the same;
-`edgebus plan --profile` measures again.
+`edgebus plan --profile` measures again. `costs.model_costs` is the entry point.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import json
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, get_args
 
-import gguf
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from broker.mosquitto import MosquittoProcess, mosquitto_binary
-from edgebus import frames
-from edgebus.client import BusClient
-from edgebus.errors import EdgebusError
+from broker.mosquitto import mosquitto_binary
 from edgebus.model_import import GGUF_FILE
 from edgebus.processes import idle_agent_rss
 from node_agent import packed
 from node_agent.checkpoint import tensor_locations
+from node_agent.costs import Measured, Sizes, costs_from, measure_message
+from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes
 from node_agent.kv_cache import KVCache
 from node_agent.weight_sizes import stored_bytes
-from plant_config.planner import (
-    BATCH_ROWS,
-    PREFILL_POSITIONS,
-    MessageCost,
-    ModelCosts,
-    PartBytes,
-    PartCost,
-)
-from plant_config.schema import BrokerEndpoint, WeightMode
+from plant_config.planner import BATCH_ROWS, PREFILL_POSITIONS, ModelCosts, PartBytes
+from plant_config.schema import WeightMode
 
 PROFILE_FILE = "edgebus-profile.json"
 # Untimed first round: it pays for allocator growth and oneDNN's kernel choice per shape.
@@ -87,50 +69,14 @@ DECODE_STEPS = 8
 # Token ids drawn for the timing prompt: any ids the vocabulary holds time the same.
 _PROMPT_IDS = 1000
 _EMBEDDING, _HEAD = "embedding", "head"
-# Decode messages timed through the broker, after MESSAGE_WARMUP untimed ones
-# (connection buffers, paho's first allocations). ~0.5 ms of wall time each
-# here, and the CPU clocks tick in ns (schedstat) or 10 ms (stat): 400 give
-# the coarser one a resolution of ~3 %.
-MESSAGES = 400
-MESSAGE_WARMUP = 20
-# A message the receiver does not get within this long means the broker lost
-# it (it never does on loopback at QoS 1): ~1000x a message's time here.
-MESSAGE_TIMEOUT_S = 10.0
-# The broker connection of the two profile clients: comes up within ~50 ms
-# here; the margin is for a loaded box.
-CONNECT_TIMEOUT_S = 10.0
-_TOPIC = "edgebus/profile/frame"
 
 
-@dataclass(frozen=True)
-class Measured:
-    """What a profile measures, as cached: milliseconds per part and the process baseline."""
-
-    # (prefill ms, decode ms, BATCH_ROWS-row decode ms) per decoder layer
-    layers: list[tuple[float, float, float]]
-    embedding: tuple[float, float, float]
-    head: tuple[float, float, float]    # final norm + LM head
-    # CPU ms per decode message: (both agents, Mosquitto); None without Mosquitto
-    message: tuple[float, float] | None
-    baseline_bytes: int
-    key: dict[str, Any]                 # where and on what it was measured
-    measured_at: str
+def cache_path(model_dir: Path) -> Path:
+    return model_dir / PROFILE_FILE
 
 
-def model_costs(model_dir: Path, *, remeasure: bool = False) -> tuple[ModelCosts, Measured, bool]:
-    """The cost model of the model in `model_dir`, its measurements and whether they are new.
-
-    Uses the cached profile unless `remeasure`, or unless it was measured on
-    another machine, torch version or checkpoint; a fresh one is cached if
-    the directory is writable.
-    """
-    key = _cache_key(model_dir)
-    measured = None if remeasure else _read_cache(model_dir, key)
-    fresh = measured is None
-    if measured is None:
-        measured = measure(model_dir)
-        _write_cache(model_dir, measured)
-    return costs_from(measured, weight_sizes(model_dir)), measured, fresh
+def costs(measured: Measured, model_dir: Path) -> ModelCosts:
+    return costs_from(measured, weight_sizes(model_dir), packed_fp32=packed.available())
 
 
 def measure(model_dir: Path, *, rounds: int = ROUNDS) -> Measured:
@@ -185,11 +131,11 @@ def _measure(model_dir: Path, rounds: int, baseline: int,
     return Measured(layers=[times(index) for index in range(num_layers)],
                     embedding=times(_EMBEDDING), head=times(_HEAD), message=message,
                     baseline_bytes=baseline,
-                    key=_cache_key(model_dir),
+                    key=cache_key(model_dir),
                     measured_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
 
 
-def weight_sizes(model_dir: Path) -> tuple[tuple[PartBytes, ...], PartBytes, PartBytes, bool]:
+def weight_sizes(model_dir: Path) -> Sizes:
     """Weight bytes per layer, of the embedding and of the head, in each mode; whether tied."""
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):  # shapes only: nothing is allocated
@@ -197,7 +143,8 @@ def weight_sizes(model_dir: Path) -> tuple[tuple[PartBytes, ...], PartBytes, Par
     decoder = skeleton.get_decoder()
     head = skeleton.get_output_embeddings()
 
-    in_file = gguf_bytes(model_dir)
+    # An imported directory keeps its GGUF as shipped, whose bytes a gguf stage holds.
+    in_file = part_bytes(model_dir / GGUF_FILE) if (model_dir / GGUF_FILE).is_file() else {}
 
     def sizes(module: nn.Module, part: str | int, edge: bool = False) -> PartBytes:
         return PartBytes(**{mode: stored_bytes(module, mode, edge=edge)
@@ -205,43 +152,9 @@ def weight_sizes(model_dir: Path) -> tuple[tuple[PartBytes, ...], PartBytes, Par
                          gguf=in_file.get(part, 0))
 
     return (tuple(sizes(layer, i) for i, layer in enumerate(decoder.layers)),
-            sizes(decoder.embed_tokens, "embedding"),
-            sizes(nn.ModuleList([decoder.norm, head]), "head", edge=True),
+            sizes(decoder.embed_tokens, EMBEDDING),
+            sizes(nn.ModuleList([decoder.norm, head]), HEAD, edge=True),
             head.weight is decoder.embed_tokens.weight)
-
-
-def gguf_bytes(model_dir: Path) -> dict[str | int, int]:
-    """Bytes of each layer (by index), of "embedding" and of "head" in the model's GGUF,
-    as shipped; empty without one. A tied head is the embedding's matrix."""
-    path = model_dir / GGUF_FILE
-    if not path.is_file():
-        return {}
-    parts: dict[str | int, int] = collections.defaultdict(int)
-    names = set()
-    for tensor in gguf.GGUFReader(str(path)).tensors:
-        names.add(tensor.name)
-        layer = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else None
-        part: str | int = (int(layer) if layer is not None else "embedding"
-                           if tensor.name.startswith("token_embd") else "head")
-        parts[part] += int(tensor.n_bytes)
-    if "output.weight" not in names:
-        parts["head"] += parts["embedding"]
-    return dict(parts)
-
-
-def costs_from(measured: Measured,
-               sizes: tuple[tuple[PartBytes, ...], PartBytes, PartBytes, bool]) -> ModelCosts:
-    layer_bytes, embedding_bytes, head_bytes, tied = sizes
-    if len(layer_bytes) != len(measured.layers):
-        raise EdgebusError(f"the profile has {len(measured.layers)} layers, the model "
-                           f"{len(layer_bytes)} — measure again with `edgebus plan --profile`")
-    message = None if measured.message is None else MessageCost(*measured.message)
-    return ModelCosts(layers=tuple(PartCost(*part) for part in measured.layers),
-                      embedding=PartCost(*measured.embedding), head=PartCost(*measured.head),
-                      message=message,
-                      layer_bytes=layer_bytes, embedding_bytes=embedding_bytes,
-                      head_bytes=head_bytes, tied=tied, baseline_bytes=measured.baseline_bytes,
-                      packed_fp32=packed.available())
 
 
 @contextmanager
@@ -273,62 +186,7 @@ def _timing(parts: dict[str | int, tuple[nn.Module, nn.Module]],
             into[name].append(ms)
 
 
-def measure_message(hidden: int) -> tuple[float, float]:
-    """CPU ms per decode message of BATCH_ROWS `hidden`-wide fp32 rows: of the sending and
-    the receiving agent together (encode, publish, read, decode), and of Mosquitto."""
-    with tempfile.TemporaryDirectory(prefix="edgebus-profile-") as workdir, \
-            MosquittoProcess(Path(workdir)) as broker:
-        assert broker.pid is not None
-        endpoint = BrokerEndpoint(host=broker.host, port=broker.port, tls=False, username=None,
-                                  password=None, protocol="5", ca_file=None, keepalive_s=30)
-        return asyncio.run(_messages(endpoint, hidden, broker.pid))
-
-
-async def _messages(endpoint: BrokerEndpoint, hidden: int, broker_pid: int
-                    ) -> tuple[float, float]:
-    limits = frames.stage_limits(prefill_chunk=1, hidden=hidden, max_in_flight=BATCH_ROWS,
-                                 stages=1)
-    arrived: asyncio.Queue[int] = asyncio.Queue()
-    sender = BusClient(endpoint, "profile-sender")
-    receiver = BusClient(endpoint, "profile-receiver", subscriptions=[(_TOPIC, 1)])
-    tasks = [asyncio.create_task(sender.run(lambda _: None)),
-             asyncio.create_task(receiver.run(
-                 lambda message: arrived.put_nowait(len(frames.decode_all(
-                     bytes(message.payload), limits)))))]
-    try:
-        await sender.wait_connected(CONNECT_TIMEOUT_S)
-        await receiver.wait_connected(CONNECT_TIMEOUT_S)
-        rows = torch.randn(BATCH_ROWS, 1, 1, hidden, generator=torch.Generator().manual_seed(0))
-        agent_s = broker_s = 0.0
-        for index in range(MESSAGE_WARMUP + MESSAGES):
-            if index == MESSAGE_WARMUP:
-                agent_s, broker_s = time.process_time(), _cpu_s(broker_pid)
-            header = frames.Header(request=0, epoch=0, step=index)
-            sender.send(_TOPIC, b"".join(frames.encode(frames.Kind.HIDDEN, row, header, start=0)
-                                         for row in rows))
-            if await asyncio.wait_for(arrived.get(), MESSAGE_TIMEOUT_S) != BATCH_ROWS:
-                raise EdgebusError("the profile's decode message lost frames on the way "
-                                   "through Mosquitto")
-        return ((time.process_time() - agent_s) * 1e3 / MESSAGES,
-                (_cpu_s(broker_pid) - broker_s) * 1e3 / MESSAGES)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds process `pid` has used: schedstat's nanoseconds where the kernel keeps
-    them, else stat's clock ticks."""
-    try:
-        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        # utime and stime, fields 14 and 15 of proc(5), counted after the ")" from field 3.
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _cache_key(model_dir: Path) -> dict[str, Any]:
+def cache_key(model_dir: Path) -> dict[str, Any]:
     """What a profile depends on: the machine, torch and its threads, the checkpoint files."""
     files = sorted({str(path) for path in tensor_locations(model_dir).values()})
     return {"host": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -338,25 +196,3 @@ def _cache_key(model_dir: Path) -> dict[str, Any]:
                            for f in files]}
 
 
-def _read_cache(model_dir: Path, key: dict[str, Any]) -> Measured | None:
-    try:
-        data = json.loads((model_dir / PROFILE_FILE).read_text(encoding="utf-8"))
-        message = data["message"]
-        measured = Measured(layers=[(a, b, c) for a, b, c in data["layers"]],
-                            embedding=tuple(data["embedding"]), head=tuple(data["head"]),
-                            message=None if message is None else (message[0], message[1]),
-                            baseline_bytes=data["baseline_bytes"], key=data["key"],
-                            measured_at=data["measured_at"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # none, unreadable or of an older format: measure again
-    return measured if measured.key == key else None
-
-
-def _write_cache(model_dir: Path, measured: Measured) -> None:
-    target = model_dir / PROFILE_FILE
-    temporary = target.with_name(f".{PROFILE_FILE}.{os.getpid()}")
-    try:
-        temporary.write_text(json.dumps(asdict(measured), indent=1), encoding="utf-8")
-        temporary.replace(target)  # atomic: a concurrent reader sees the old or the new file
-    except OSError:
-        temporary.unlink(missing_ok=True)  # a read-only model directory: plan without a cache

@@ -6,23 +6,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from edgebus.messages import GenerateRequest
-from node_agent.tokenizer import FileTokenizer
+from node_agent.gguf_model import is_gguf
+from node_agent.tokenizer import FileTokenizer, TemplatedTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    # transformers' own, or the same files read without it (tokenizer.py).
-    Tokenizer: TypeAlias = PreTrainedTokenizerBase | FileTokenizer
+    # transformers' own, or the same read without it (tokenizer.py, gguf_tokenizer.py).
+    Tokenizer: TypeAlias = PreTrainedTokenizerBase | TemplatedTokenizer
 
 
-def load_tokenizer(model_dir: Path, *, transformers: bool) -> Tokenizer:
-    """The tokenizer of `model_dir`: transformers' (`transformers`), or FileTokenizer, which
-    gives the same ids and text without it, for a box without transformers."""
+def load_tokenizer(model: Path, *, transformers: bool) -> Tokenizer:
+    """The tokenizer of `model`: of a GGUF file, llama.cpp's own (GgufTokenizer); of a model
+    directory, transformers' (`transformers`), or FileTokenizer, which gives the same ids and
+    text without it, for a box without transformers."""
+    if is_gguf(model):
+        from node_agent.gguf_tokenizer import GgufTokenizer  # loads llama.cpp
+
+        return GgufTokenizer(model)
     if not transformers:
-        return FileTokenizer(model_dir)
+        return FileTokenizer(model)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model)
 
 
 def prompt_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:

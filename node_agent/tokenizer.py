@@ -7,11 +7,16 @@ with the libraries transformers itself hands them to: the Rust `tokenizers`
 for ids, jinja2's sandbox for the chat template. It offers what node_agent/text.py
 calls of a transformers tokenizer, and gives the same ids and text
 (tests/test_text.py compares them on the models the tests run).
+
+`TemplatedTokenizer` is that interface with the chat template rendered here;
+`FileTokenizer` fills in ids from tokenizer.json, and gguf_tokenizer.py's
+`GgufTokenizer` from a GGUF's own vocabulary, through llama.cpp.
 """
 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -74,7 +79,55 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class FileTokenizer:
+class TemplatedTokenizer(ABC):
+    """What node_agent/text.py calls of a transformers tokenizer, its chat template rendered
+    as transformers renders it: a subclass supplies the ids and the text of ids, and sets
+    `special_tokens_map`, `eos_token_id` and `chat_template`."""
+
+    special_tokens_map: dict[str, str]
+    eos_token_id: int | None
+    chat_template: str | None
+    _template: jinja2.Template | None = None
+
+    @abstractmethod
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """`text` as ids, special tokens in it recognised; `add_special_tokens`: with those
+        the tokenizer adds around a text (a BOS, where the model wants one)."""
+
+    @abstractmethod
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """`ids` as text; `skip_special_tokens`: leaving out special tokens (EOS, chat
+        markers)."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        """`text` as ids, with the special tokens the tokenizer adds."""
+        return {"input_ids": self.encode(text, add_special_tokens=True)}
+
+    def apply_chat_template(self, chat: list[dict[str, Any]], *, add_generation_prompt: bool,
+                            tokenize: bool = True, return_dict: bool = True) -> Any:
+        """`chat` rendered by the model's template and tokenized, as transformers does it."""
+        if self.chat_template is None:
+            raise CheckpointError("the model has no chat template: send 'prompt', not "
+                                  "'messages'")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[_Generation, jinja2.ext.loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            self._template = env.from_string(self.chat_template)
+        # transformers drops the keys a message leaves None before rendering.
+        messages = [{k: v for k, v in m.items() if v is not None} for m in chat]
+        text = self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **self.special_tokens_map)
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return {"input_ids": ids} if return_dict else ids
+
+
+class FileTokenizer(TemplatedTokenizer):
     """The tokenizer of a model directory, as transformers' fast tokenizer would load it."""
 
     def __init__(self, model_dir: Path) -> None:
@@ -99,7 +152,7 @@ class FileTokenizer:
             [AddedToken(text, special=True) for text in
              [*self.special_tokens_map.values(), *extra_texts]])
         eos = self.special_tokens_map.get("eos_token")
-        self.eos_token_id: int | None = None if eos is None else self._tokenizer.token_to_id(eos)
+        self.eos_token_id = None if eos is None else self._tokenizer.token_to_id(eos)
         self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and (
             json.loads(path.read_text()).get("model", {}).get("type") != "BPE")
         template_path = model_dir / CHAT_TEMPLATE_FILE
@@ -107,35 +160,10 @@ class FileTokenizer:
                     else config.get("chat_template"))
         if isinstance(template, list):  # named templates: transformers uses "default"
             template = {t.get("name"): t.get("template") for t in template}.get("default")
-        self.chat_template: str | None = template if isinstance(template, str) else None
-        self._template: jinja2.Template | None = None
+        self.chat_template = template if isinstance(template, str) else None
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        """`text` as ids, with the special tokens tokenizer.json's post-processor adds."""
-        return {"input_ids": list(self._tokenizer.encode(text, add_special_tokens=True).ids)}
-
-    def apply_chat_template(self, chat: list[dict[str, Any]], *, add_generation_prompt: bool,
-                            tokenize: bool = True, return_dict: bool = True) -> Any:
-        """`chat` rendered by the model's template and tokenized, as transformers does it."""
-        if self.chat_template is None:
-            raise CheckpointError("the model has no chat template: send 'prompt', not "
-                                  "'messages'")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[_Generation, jinja2.ext.loopcontrols])
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
-            self._template = env.from_string(self.chat_template)
-        # transformers drops the keys a message leaves None before rendering.
-        messages = [{k: v for k, v in m.items() if v is not None} for m in chat]
-        text = self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt,
-                                     **self.special_tokens_map)
-        if not tokenize:
-            return text
-        ids = list(self._tokenizer.encode(text, add_special_tokens=False).ids)
-        return {"input_ids": ids} if return_dict else ids
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))

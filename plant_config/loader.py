@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from edgebus.errors import PlantConfigError
+from edgebus.errors import CheckpointError, PlantConfigError
 from plant_config.layout import even_split, fit_problems
 from plant_config.problems import Problem, Problems, from_validation_error, plant_error
-from plant_config.schema import RELATIVE_TO, BrokerSettings, Plant, WeightMode
+from plant_config.schema import GGUF_SUFFIX, RELATIVE_TO, BrokerSettings, Plant, WeightMode
 from plant_config.tasks import EXAMPLE_TASKS
 
 # Replica node name suffixes: a plant rarely runs more than two or three boxes per stage.
@@ -32,6 +32,7 @@ _TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 _HEADER = """\
 # edgebus plant file: which node runs which layers of which model, and where the broker is.
 # Every agent reads this same file; relative paths (model:, security:) are relative to it.
+# model: a model directory, or a .gguf file, which llama.cpp stages (weights: gguf) run as it is.
 # layers: [first, last + 1] - [0, 10] means layers 0-9. Optional per stage: threads: N.
 # weights: fp32 (token-exact, the default), bf16, int8 or int4 (less memory; docs/weight-modes.md),
 # or gguf: the GGUF's own blocks in llama.cpp, fastest (docs/plant-file.md).
@@ -230,14 +231,19 @@ def _disk_problems(plant: Plant) -> list[Problem]:
 
 
 def _num_hidden_layers(model_dir: Path) -> tuple[int, Path]:
-    """The model's decoder layer count and the config.json it came from; Problems at `model`."""
+    """The model's decoder layer count and the file it came from (config.json, or the GGUF);
+    Problems at `model`."""
+    if model_dir.suffix.lower() == GGUF_SUFFIX:
+        return _gguf_layers(model_dir), model_dir
     config = model_dir / "config.json"
     fix = (f"fix model: or create the directory from a GGUF checkpoint with "
            f"`edgebus model import-gguf SRC.gguf {model_dir}`")
     if model_dir.is_file():
         raise Problems([Problem(("model",), f"{model_dir} is a file, not a model directory — "
-                                            "if it is a GGUF checkpoint, convert it with "
-                                            f"`edgebus model import-gguf {model_dir} DIR`")])
+                                            "if it is a GGUF checkpoint, name it with its .gguf "
+                                            "suffix (llama.cpp stages run it as it is), or "
+                                            "convert it with `edgebus model import-gguf "
+                                            f"{model_dir} DIR`")])
     if not model_dir.is_dir():
         raise Problems([Problem(("model",), f"no model directory at {model_dir} — {fix}")])
     if not config.is_file():
@@ -257,6 +263,18 @@ def _num_hidden_layers(model_dir: Path) -> tuple[int, Path]:
     raise Problems([Problem(("model",), f"{config} has no positive integer num_hidden_layers "
                                         f"(also looked in {', '.join(_TEXT_CONFIG_KEYS)}) — "
                                         "edgebus needs a decoder-only transformer checkpoint")])
+
+
+def _gguf_layers(path: Path) -> int:
+    """The layer count of the GGUF file at `path`; Problems at `model`."""
+    from node_agent.gguf_model import read_config  # gguf-py, read only for a GGUF plant
+
+    if not path.is_file():
+        raise Problems([Problem(("model",), f"no GGUF file at {path} — fix model:")])
+    try:
+        return int(read_config(path).num_hidden_layers)
+    except CheckpointError as exc:
+        raise Problems([Problem(("model",), str(exc))]) from None
 
 
 def _path_for_file(path: Path, home: Path) -> str:

@@ -65,6 +65,8 @@ def resolve_engine(engine: EngineName, weights: WeightMode) -> str:
         return "llamacpp"
     return "torch" if weights in ("fp32", "bf16") else "onnxruntime"
 
+# A plant's model: naming a file with this suffix names a GGUF (node_agent/gguf_model.py).
+GGUF_SUFFIX = ".gguf"
 EMBEDDED = "embedded"
 # scheme -> (TLS, default port): the IANA ports for MQTT and MQTT over TLS.
 _SCHEMES = {"mqtt": (False, 1883), "mqtts": (True, 8883)}
@@ -433,7 +435,9 @@ class Plant(_Section):
     plant_id: str
     topic_root: str
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
-    model: ResolvedPath  # model directory in HF layout
+    # A model directory in HF layout (edgebus model import-gguf makes one), or a .gguf file,
+    # which only llama.cpp stages run (every stage weights: gguf).
+    model: ResolvedPath
     # Activations between stages. float32 by default: a float16 hop rounds the hidden
     # state, which flipped a greedy near-tie of SmolLM2 in int8 at a 2- and 3-stage
     # split (tests/test_engines.py); float16 halves the bytes (1.2 instead of 2.3 KB
@@ -498,6 +502,25 @@ class Plant(_Section):
             raise Problems([Problem(("coordinator", "id"),
                                     f"{self.coordinator.id!r} is also a stage node id — the "
                                     "coordinator needs an id of its own")])
+        return self
+
+    @model_validator(mode="after")
+    def _check_gguf_model(self) -> Plant:
+        # Only llama.cpp runs a GGUF's blocks; the other engines load the safetensors an
+        # import writes, fp32 values dequantized from those blocks.
+        if self.model.suffix.lower() != GGUF_SUFFIX:
+            return self
+        problems = [
+            Problem(("stages", index, "weights"),
+                    f"{stage.weights} runs on the {engine} engine, which cannot run the GGUF "
+                    f"file model: names ({self.model.name}) — set weights: gguf (llama.cpp runs "
+                    "the file's own blocks), or import it for the torch and onnxruntime "
+                    f"engines with `edgebus model import-gguf {self.model} DIR` and set model: "
+                    "DIR")
+            for index, stage in enumerate(self.stages)
+            if (engine := resolve_engine(stage.engine, stage.weights)) != "llamacpp"]
+        if problems:
+            raise Problems(problems)
         return self
 
     @model_validator(mode="after")

@@ -30,6 +30,7 @@ from edgebus.ask import ask
 from edgebus.messages import GenerateRequest, GenerateResponse
 from node_agent.coordinator import Coordinator, prefill_chunks
 from node_agent.engines import StageEngine, context_shape, load_engine
+from node_agent.gguf_model import is_gguf
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
 from plant_config.schema import EngineName, WeightMode, resolve_engine
@@ -76,7 +77,9 @@ async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
     stages = [StageAgent(plant, s.node, model=engine or stage_model(
                   plant.model, *s.layers, s.weights, s.engine))
               for s, engine in zip(plant.stages, fresh, strict=True)]
-    coordinator = Coordinator(plant, tokenizer=tokenizer(plant.model))
+    # A GGUF model's coordinator reads the file's own tokenizer (node_agent/gguf_tokenizer.py).
+    coordinator = Coordinator(plant, tokenizer=None if is_gguf(plant.model)
+                              else tokenizer(plant.model))
     tasks = [asyncio.create_task(agent.serve(stop)) for agent in [*stages, coordinator]]
     try:
         await asyncio.wait_for(coordinator._ready.wait(), READY_TIMEOUT_S)

@@ -11,6 +11,7 @@ ImportError, and leave a mark of who imported them), `edgebus up` serves a
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import subprocess
@@ -25,7 +26,9 @@ from transformers import AutoConfig, GenerationConfig
 
 from edgebus.ask import ask
 from edgebus.launcher import STOP_GRACE_S
+from edgebus.model_import import bundled_gguf
 from edgebus.processes import LOOPBACK, free_port, proc_status_bytes
+from node_agent.engines.llamacpp.engine import MODEL_GGUF
 from node_agent.model_config import generation_eos, kv_bytes_per_token, load_config
 from plant_config import make_plant, write_plant
 
@@ -40,7 +43,8 @@ raise ImportError(f"{{__name__}} is blocked: a llama.cpp box has none")
 # What a llama.cpp box's agents import: the stage agent, its engine, the coordinator, and the
 # CLI that starts them.
 AGENT_MODULES = ("edgebus.cli", "edgebus.launcher", "node_agent.stage",
-                 "node_agent.engines.llamacpp.engine", "node_agent.coordinator")
+                 "node_agent.engines.llamacpp.engine", "node_agent.coordinator",
+                 "node_agent.gguf_tokenizer", "node_agent.costs", "node_agent.gguf_profile")
 STOP_S = 2 * STOP_GRACE_S + 5.0
 
 
@@ -77,10 +81,15 @@ def _blocker(directory: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["directory", "gguf"])
 async def test_a_plant_without_torch_answers_what_llamacpp_answers_whole(
-        smollm2_dir: Path, tmp_path: Path) -> None:
+        smollm2_dir: Path, tmp_path: Path, model: str) -> None:
+    """The plant's model: an imported directory, or the GGUF file it was imported from (the
+    same bytes), which needs no import at all."""
     path, marks = _blocker(tmp_path / "blocker")
-    plant = make_plant(smollm2_dir, stages=3, weights="gguf", plant_id="notorch")
+    source = smollm2_dir if model == "directory" else bundled_gguf()
+    assert model == "directory" or filecmp.cmp(source, smollm2_dir / MODEL_GGUF, shallow=False)
+    plant = make_plant(source, stages=3, weights="gguf", plant_id="notorch")
     plant = plant.model_copy(update={
         "broker": plant.broker.model_copy(update={"host": LOOPBACK, "port": free_port()}),
         "stages": [s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB}) for s in plant.stages],

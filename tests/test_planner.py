@@ -18,8 +18,9 @@ from tiny_models import build_tiny
 
 from edgebus.cli import main
 from edgebus.errors import PlantConfigError
+from node_agent.costs import model_costs
 from node_agent.engines import load_engine
-from node_agent.profile import PROFILE_FILE, model_costs
+from node_agent.profile import PROFILE_FILE
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
 from plant_config.layout import LayerRange, fit_problems, layout_problems

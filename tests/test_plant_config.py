@@ -255,10 +255,18 @@ def test_missing_config_json(tmp_path: Path) -> None:
 
 
 def test_model_is_a_file(tmp_path: Path) -> None:
-    (tmp_path / "smollm.gguf").write_bytes(b"GGUF")
-    message = load_error(write_yaml(tmp_path, plant_dict(model="smollm.gguf")))
-    assert f"model: {tmp_path / 'smollm.gguf'} is a file, not a model directory" in message
-    assert f"edgebus model import-gguf {tmp_path / 'smollm.gguf'} DIR" in message
+    (tmp_path / "smollm.bin").write_bytes(b"GGUF")
+    message = load_error(write_yaml(tmp_path, plant_dict(model="smollm.bin")))
+    assert f"model: {tmp_path / 'smollm.bin'} is a file, not a model directory" in message
+    assert "name it with its .gguf suffix" in message
+    assert f"edgebus model import-gguf {tmp_path / 'smollm.bin'} DIR" in message
+
+
+def test_a_gguf_model_that_is_no_gguf(tmp_path: Path) -> None:
+    (tmp_path / "smollm.gguf").write_bytes(b"GGUF")  # the magic, and nothing after it
+    stages = [{**stage, "weights": "gguf"} for stage in plant_dict()["stages"]]
+    message = load_error(write_yaml(tmp_path, plant_dict(model="smollm.gguf", stages=stages)))
+    assert f"model: cannot read {tmp_path / 'smollm.gguf'} as a GGUF file" in message
 
 
 def test_no_stages(tmp_path: Path, model_dir: Path) -> None:

@@ -55,7 +55,7 @@ from edgebus.bench.metrics import (
     stream_stats,
 )
 from edgebus.errors import EdgebusError
-from edgebus.model_import import default_model_dir
+from edgebus.model_import import edgebus_home
 from edgebus.processes import LOOPBACK, child_setup, free_port
 
 T = TypeVar("T")
@@ -124,11 +124,6 @@ class Skipped:
 
     reason: str
     crashed: bool = False  # the tool died of a signal (SIGILL on an unsupported CPU, ...)
-
-
-def edgebus_home() -> Path:
-    """$EDGEBUS_HOME, by default ~/.cache/edgebus (as `model_import.default_model_dir` says)."""
-    return default_model_dir().parent.parent
 
 
 def installed_version() -> str | None:

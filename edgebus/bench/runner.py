@@ -58,9 +58,9 @@ from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.messages import GenerateRequest
 from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
 from edgebus.processes import LOOPBACK, free_port, idle_agent_rss
+from node_agent.costs import model_costs
 from node_agent.engines.onnx_engine import prepare_graphs
 from node_agent.engines.tuning import cpu_model
-from node_agent.profile import model_costs
 from node_agent.text import prompt_ids
 from plant_config import Plant, make_plant, write_plant
 from plant_config.planner import balanced_split

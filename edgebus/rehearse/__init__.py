@@ -34,6 +34,7 @@ from edgebus.rehearse.workload import (
     wait_online,
 )
 from plant_config import Plant, even_split, load_plant
+from plant_config.schema import resolve_engine
 
 # Tokens of the warm-up request each rehearsal runs first: the first forward
 # passes of a fresh process pay for allocator growth and kernel choices.
@@ -111,14 +112,15 @@ def clean_leftovers() -> int:
 def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, tokens: int,
                  compare_even: bool, keep: bool, compare_one_box: str | None = None) -> int:
     """The `edgebus rehearse` command; its exit status."""
-    from node_agent.profile import model_costs
+    from node_agent.costs import model_costs, profiled_model
 
     def progress(text: str) -> None:
         print(text, flush=True)
 
     plant = load_plant(plant_path)
     progress(f"cost model of {plant.model.name} (profiles the model once if not cached)")
-    costs, _, _ = model_costs(plant.model)
+    costs, _, _ = model_costs(profiled_model(
+        plant.model, {resolve_engine(s.engine, s.weights) for s in plant.stages}))
     groups = options.batch_groups or len(plant.pipeline)
     workload = Workload(requests or ROWS_PER_GROUP * groups, tokens)
     variants = [("plant file", plant, options)]

@@ -2,7 +2,7 @@
 
 | module         | what it does |
 | ---            | --- |
-| stage_gguf.py  | cuts layers [first, end) out of the model's GGUF, cached beside it |
+| stage_gguf.py  | cuts layers [first, end) out of the model's GGUF, cached in $EDGEBUS_HOME |
 | library.py     | llama-cpp-python's ctypes API, ggml, and the C eval callback, once per process |
 | capture.c      | the eval callback: copies the last layer's output and stops the graph |
 | engine.py      | `LlamaCppEngine`: requests as llama.cpp sequences, batched calls |

@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgebus.errors import EngineError
+from node_agent import gguf_model
 from node_agent.engines.base import CacheFull, ContextShape, StageEngine, StageSlice
 from node_agent.engines.llamacpp import library, stage_gguf
 from node_agent.memory import return_freed_memory
@@ -52,7 +53,8 @@ if TYPE_CHECKING:
     # Only for `step`, the torch API of tests and tools: a stage runs `run`, without torch.
     import torch
 
-# The model's GGUF inside an imported model directory (edgebus/model_import.py).
+# The model's GGUF inside an imported model directory (edgebus/model_import.py); a plant's
+# model: may also name a GGUF file itself.
 MODEL_GGUF = "model.gguf"
 # Bytes of one cached key or value number: llama.cpp's default KV type is f16.
 KV_ITEM_BYTES = 2
@@ -82,17 +84,21 @@ class SeqCache:
 
 
 class LlamaCppEngine(StageEngine):
-    """Layers [first, end) of the model in `model_dir`, run by llama.cpp."""
+    """Layers [first, end) of `model` (a GGUF file, or a directory with one), run by
+    llama.cpp."""
 
     name = "llamacpp"
 
-    def __init__(self, model_dir: Path, first: int, end: int, *, shape: ContextShape,
-                 threads: int, device: Device = "cpu") -> None:
+    def __init__(self, model: Path, first: int, end: int, *, shape: ContextShape,
+                 threads: int, device: Device = "cpu", observer: Any = None) -> None:
+        """`observer`: an eval callback (`ggml_backend_sched_eval_callback`) for a stage that
+        runs the head, which needs no capture: how the planner's profile times each layer
+        (node_agent/gguf_profile.py). Stages run without one."""
         self._llama = lowlevel = library.llama()
-        self.config = load_config(model_dir)
+        self.config = load_config(model)
         self.slice = StageSlice(first, end, self.config.num_hidden_layers)
         self.threads, self.device = threads, device
-        source = model_gguf(model_dir)
+        source = model_gguf(model)
         path = stage_gguf.stage_file(source, first, end,
                                      library_version=library.library_version())
         # A cut leaves its freed buffers in the heap (22 MiB of SmolLM2's first stage,
@@ -142,6 +148,8 @@ class LlamaCppEngine(StageEngine):
             context.cb_eval = library.callback_pointer()
             context.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._capture),
                                                     ctypes.c_void_p)
+        elif observer is not None:
+            context.cb_eval = observer
         self._context = lowlevel.llama_init_from_model(self._model, context)
         if not self._context:
             raise EngineError(f"llama.cpp could not make a context of {context.n_ctx} "
@@ -303,10 +311,11 @@ class _Batch:
         self._outputs[list(rows)] = 1
 
 
-def model_gguf(model_dir: Path) -> Path:
-    """The GGUF of an imported model directory."""
-    path = model_dir / MODEL_GGUF
+def model_gguf(model: Path) -> Path:
+    """The GGUF a plant's `model:` names: the file itself, or an imported directory's."""
+    path = model if gguf_model.is_gguf(model) else model / MODEL_GGUF
     if not path.is_file():
-        raise EngineError(f"{model_dir} holds no {MODEL_GGUF}, which the llamacpp engine runs: "
-                          "import the model with `edgebus model import-gguf FILE.gguf DIR`")
+        raise EngineError(f"no GGUF at {path}, which the llamacpp engine runs: set the plant's "
+                          "model: to a .gguf file, or to a directory made by `edgebus model "
+                          "import-gguf FILE.gguf DIR`")
     return path

@@ -15,11 +15,13 @@ llama.cpp insists on a token embedding and a vocabulary in every model, so
 a middle stage keeps VOCAB_KEEP rows of each: a few KiB instead of the
 vocabulary's tens of MiB, and no logits buffer worth the name.
 
-Stage files are cut once and cached beside the model's GGUF, in CACHE_DIR,
+Stage files are cut once and cached in `$EDGEBUS_HOME/stages/` (CACHE_DIR),
 named by the source file's digest, the range, the role and llama-cpp-python's
-version (whose llama.cpp reads them); a file is written under a temporary
-name and renamed into place, so a crash never leaves a half-cut file that looks
-usable.
+version (whose llama.cpp reads them). Not beside the source: a plant may name
+a GGUF in a directory the agents cannot write (a package's, or one the
+systemd units keep read-only), and the digest in the name keeps the files of
+different models apart. A file is written under a temporary name and renamed
+into place, so a crash never leaves a half-cut file that looks usable.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ import json
 import os
 import re
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 
 from edgebus.errors import EngineError
+from edgebus.model_import import edgebus_home
+from node_agent import gguf_model
 
-CACHE_DIR = "edgebus-stages"
+CACHE_DIR = "stages"  # under $EDGEBUS_HOME
 # Rows of the embedding and LM head a middle stage keeps: llama.cpp wants both
 # tensors and a vocabulary, and 32 rows are enough for it to load.
 VOCAB_KEEP = 32
@@ -51,40 +54,24 @@ _HASH_CHUNK = 8 * 2**20
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.*)$")
 
 
-@dataclass(frozen=True)
-class GgufInfo:
-    """What a stage needs to know of a GGUF before loading it."""
-
-    architecture: str
-    block_count: int
-
-
-def read_info(path: Path) -> GgufInfo:
-    """The architecture and layer count of the GGUF at `path`."""
-    reader = _reader(path)
-    arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
-    field = reader.fields.get(f"{arch}.block_count")
-    if field is None:
-        raise EngineError(f"{path} has no {arch}.block_count: not a decoder-only model GGUF")
-    return GgufInfo(arch, int(field.contents()))
-
-
-def stage_file(source: Path, first: int, end: int, *, library_version: str) -> Path:
-    """The GGUF of layers [first, end) of `source`, cut now or found in the cache."""
-    info = read_info(source)
-    if not 0 <= first < end <= info.block_count:
-        raise EngineError(f"layers [{first}, {end}) are not within the {info.block_count} "
+def stage_file(source: Path, first: int, end: int, *, library_version: str,
+               cache: Path | None = None) -> Path:
+    """The GGUF of layers [first, end) of `source`, cut now or found in `cache` (default
+    `$EDGEBUS_HOME/stages`)."""
+    layers = gguf_model.read_config(source).num_hidden_layers
+    if not 0 <= first < end <= layers:
+        raise EngineError(f"layers [{first}, {end}) are not within the {layers} "
                           f"layers of {source}: fix `layers:` in the plant file")
-    role = _role(first, end, info.block_count)
+    role = _role(first, end, layers)
     if role == "whole":
         return source
-    cache = source.parent / CACHE_DIR
-    name = (f"{_digest(source)[:16]}.{first}-{end}.{role}.llama-cpp-{library_version}"
+    cache = edgebus_home() / CACHE_DIR if cache is None else cache
+    name = (f"{_digest(source, cache)[:16]}.{first}-{end}.{role}.llama-cpp-{library_version}"
             f".v{CUT_FORMAT}.gguf")
     target = cache / name
     if target.exists():
         return target
-    cache.mkdir(exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
     staging = cache / f".{name}.{uuid.uuid4().hex}.tmp"
     try:
         _cut(source, staging, first, end, role)
@@ -104,15 +91,17 @@ def _reader(path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(str(path))
     except (OSError, ValueError) as exc:
-        raise EngineError(f"cannot read {path} as a GGUF file ({exc}): import the model again "
-                          "with `edgebus model import-gguf`") from exc
+        raise EngineError(f"cannot read {path} as a GGUF file ({exc}): is it a complete "
+                          "GGUF model?") from exc
 
 
-def _digest(path: Path) -> str:
-    """sha256 of the file, remembered beside it for as long as its size and mtime hold."""
+def _digest(path: Path, cache: Path) -> str:
+    """sha256 of the file, remembered in `cache` for as long as its path, size and mtime
+    hold."""
     stat = path.stat()
-    memo = path.parent / CACHE_DIR / f"{path.name}.sha256.json"
-    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    where = str(path.resolve())
+    memo = cache / f"{hashlib.sha256(where.encode()).hexdigest()[:16]}.sha256.json"
+    key = {"path": where, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     try:
         known = json.loads(memo.read_text())
         if known["file"] == key:
@@ -123,7 +112,7 @@ def _digest(path: Path) -> str:
     with path.open("rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
-    memo.parent.mkdir(exist_ok=True)
+    memo.parent.mkdir(parents=True, exist_ok=True)
     memo.write_text(json.dumps({"file": key, "sha256": digest.hexdigest()}))
     return digest.hexdigest()
 

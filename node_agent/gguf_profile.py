@@ -1,0 +1,234 @@
+"""The planner's cost model of a GGUF file, measured in llama.cpp: `edgebus plan`'s profile of
+a plant whose `model:` names a .gguf (node_agent/costs.py picks it).
+
+Time: the whole file runs as one llamacpp stage (`LlamaCppEngine`, the code a
+stage runs) on PROFILE_THREADS thread, as the torch profile runs one fp32
+stage (node_agent/profile.py), and an eval callback marks when llama.cpp's
+graph has computed the token embedding (`embd`) and each layer's output
+(`l_out-i`). A layer's time runs from the mark before it to its own; the
+head's (final norm, LM head, logits out) from the last layer's mark to the
+call's return; the embedding's from the call to its mark, with the call's own
+work before the graph runs (splitting the batch, building the graph). Marking
+computes the graph in pieces and calls Python for every node (~15 a layer),
+so the marked parts are scaled to add up to the same calls run by a second
+context without the callback, timed in the same rounds.
+
+Calls, as the torch profile times them: a PREFILL_POSITIONS-position prompt,
+DECODE_STEPS one-position steps, and DECODE_STEPS steps of BATCH_ROWS requests
+in one call; each time is the minimum over ROUNDS, the least disturbed by
+other processes on shared cores.
+
+Memory: a stage's weight bytes are the file's tensors of its layers
+(gguf_model.part_bytes: the embedding on the first stage, the head on the
+last); the process baseline is the peak RSS of a fresh Python that imports a
+stage agent and loads llama.cpp, without torch, which such a stage never
+imports. The other weight modes' bytes are 0: a GGUF plant runs gguf only
+(plant_config/schema.py refuses the rest).
+
+Cached in `$EDGEBUS_HOME/profiles/`, one file per GGUF path (the GGUF's own
+directory may be read-only), reused while the host, llama-cpp-python version
+and the file are the same.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from broker.mosquitto import mosquitto_binary
+from edgebus.errors import EngineError
+from edgebus.model_import import edgebus_home
+from edgebus.processes import proc_status_bytes
+from node_agent.costs import Measured, Sizes, costs_from, measure_message
+from node_agent.engines.base import ContextShape
+from node_agent.engines.llamacpp import library
+from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, LlamaCppEngine
+from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes, read_config
+from node_agent.model_config import kv_bytes_per_token
+from plant_config.planner import BATCH_ROWS, PREFILL_POSITIONS, ModelCosts, PartBytes
+
+log = logging.getLogger(__name__)
+
+PROFILE_DIR = "profiles"  # under $EDGEBUS_HOME
+# As the torch profile (node_agent/profile.py), and for its reasons: one thread is what
+# stayed undisturbed on cores other processes used; an untimed round pays for first
+# allocations; the minimum of 3 rounds of 8 decode steps shrugs off disturbed ones.
+PROFILE_THREADS = 1
+WARMUP_ROUNDS = 1
+ROUNDS = 3
+DECODE_STEPS = 8
+# Token ids drawn for the timing prompt: any ids the vocabulary holds time the same.
+_PROMPT_IDS = 1000
+# What a llama.cpp stage agent holds before its weights: its imports and llama.cpp loaded.
+_IDLE_AGENT_CODE = """
+import node_agent.stage
+from node_agent.engines.llamacpp import library
+library.llama()
+print(open("/proc/self/status").read())
+"""
+
+
+def cache_path(path: Path) -> Path:
+    digest = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
+    return edgebus_home() / PROFILE_DIR / f"{Path(path).stem}.{digest}.json"
+
+
+def cache_key(path: Path) -> dict[str, Any]:
+    """What a profile depends on: the machine, llama.cpp and its threads, the file."""
+    stat = Path(path).stat()
+    return {"host": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "llama_cpp_python": library.library_version(), "threads": PROFILE_THREADS,
+            "prefill_positions": PREFILL_POSITIONS, "batch_rows": BATCH_ROWS,
+            "checkpoint": [[Path(path).name, stat.st_size, stat.st_mtime_ns]]}
+
+
+def costs(measured: Measured, path: Path) -> ModelCosts:
+    return costs_from(measured, weight_sizes(path))
+
+
+def weight_sizes(path: Path) -> Sizes:
+    """Bytes per layer, of the embedding and of the head as the file holds them; whether
+    the head is the embedding's matrix."""
+    parts = part_bytes(path)
+    config = read_config(path)
+
+    def sizes(part: str | int) -> PartBytes:
+        return PartBytes(fp32=0, bf16=0, int8=0, int4=0, gguf=parts.get(part, 0))
+
+    return (tuple(sizes(layer) for layer in range(config.num_hidden_layers)),
+            sizes(EMBEDDING), sizes(HEAD), bool(config.tie_word_embeddings))
+
+
+def idle_agent_rss() -> int:
+    """Peak RSS of a fresh llama.cpp stage agent before it loads a weight (in a child
+    process: the caller's own memory says nothing of an agent's)."""
+    result = subprocess.run([sys.executable, "-c", _IDLE_AGENT_CODE], capture_output=True,
+                            text=True, check=True)
+    return proc_status_bytes(result.stdout, "VmHWM")
+
+
+def measure(path: Path, *, rounds: int = ROUNDS) -> Measured:
+    """Time every part of the GGUF at `path` on this machine (see the module doc)."""
+    baseline = idle_agent_rss()
+    config = read_config(path)
+    message = measure_message(config.hidden_size) if mosquitto_binary() is not None else None
+    layers = config.num_hidden_layers
+    marker = _Marker(layers)
+    positions = PREFILL_POSITIONS + 2 * DECODE_STEPS
+    per_position = kv_bytes_per_token(config, (0, layers), KV_ITEM_BYTES)
+    probe = ContextShape(kv_budget_bytes=0, positions=positions,
+                         batch_positions=PREFILL_POSITIONS)
+    shape = ContextShape(kv_budget_bytes=BATCH_ROWS * probe.sequence_positions * per_position,
+                         positions=positions, batch_positions=PREFILL_POSITIONS)
+    timed = LlamaCppEngine(path, 0, layers, shape=shape, threads=PROFILE_THREADS,
+                           observer=marker.callback)
+    plain = LlamaCppEngine(path, 0, layers, shape=shape, threads=PROFILE_THREADS)
+    kinds = ("prefill", "decode", "batch")
+    parts: dict[str, list[list[float]]] = {kind: [] for kind in kinds}  # per call, per part
+    totals: dict[str, list[float]] = {kind: [] for kind in kinds}  # per call, unmarked
+    prompt = np.random.default_rng(0).integers(0, min(_PROMPT_IDS, config.vocab_size),
+                                               (1, PREFILL_POSITIONS))
+    try:
+        for round_index in range(WARMUP_ROUNDS + rounds):
+            keep = round_index >= WARMUP_ROUNDS
+            for engine in (timed, plain):
+                for kind, ms in _round(engine, prompt, marker if engine is timed else None):
+                    if keep and engine is timed:
+                        parts[kind].append(ms)
+                    elif keep:
+                        totals[kind].append(sum(ms))
+    finally:
+        timed.close()
+        plain.close()
+    # Per part, its least disturbed call; then scaled to the unmarked calls' least total.
+    scaled = []
+    for kind in kinds:
+        fastest = np.min(np.array(parts[kind]), axis=0)
+        log.info("profile: %s marked %.2f ms, unmarked %.2f ms", kind, fastest.sum(),
+                 min(totals[kind]))
+        scaled.append(fastest * min(totals[kind]) / fastest.sum())
+    per_part = np.stack(scaled, axis=1)  # [embedding, layers..., head] x (prefill, decode, batch)
+
+    def times(row: int) -> tuple[float, float, float]:
+        prefill, decode, batch = (float(ms) for ms in per_part[row])
+        return prefill, decode, batch
+
+    return Measured(layers=[times(1 + layer) for layer in range(layers)],
+                    embedding=times(0), head=times(layers + 1), message=message,
+                    baseline_bytes=baseline, key=cache_key(path),
+                    measured_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def _round(engine: LlamaCppEngine, prompt: np.ndarray, marker: _Marker | None
+           ) -> list[tuple[str, list[float]]]:
+    """One round's calls: a prompt, DECODE_STEPS steps of its request, DECODE_STEPS steps of
+    BATCH_ROWS requests; per call its kind and its parts' ms (one part, the whole call,
+    without a marker)."""
+    caches = [engine.new_cache(0) for _ in range(BATCH_ROWS)]
+    row = prompt[:, :1]
+    calls: list[tuple[str, list[float]]] = []
+
+    def call(kind: str, xs: list[np.ndarray], row_caches: list[Any], starts: list[int]) -> None:
+        if marker is not None:
+            marker.marks.clear()
+        began = time.perf_counter()
+        engine.run(xs, row_caches, starts)
+        ended = time.perf_counter()
+        calls.append((kind, [ms * 1e3 for ms in np.diff(
+            [began, *(marker.check() if marker is not None else []), ended])]))
+
+    try:
+        call("prefill", [prompt], caches[:1], [0])
+        # The batch's other requests start from a one-token prompt: a prompt each would
+        # triple the profile's time, and attention over PREFILL_POSITIONS keys weighs
+        # little beside the weights each step reads.
+        engine.run([row] * (BATCH_ROWS - 1), caches[1:], [0] * (BATCH_ROWS - 1))
+        for step in range(DECODE_STEPS):
+            call("decode", [row], caches[:1], [PREFILL_POSITIONS + step])
+        for step in range(DECODE_STEPS):
+            starts = [PREFILL_POSITIONS + DECODE_STEPS + step, *[1 + step] * (BATCH_ROWS - 1)]
+            call("batch", [row] * BATCH_ROWS, caches, starts)
+    finally:
+        for cache in caches:
+            engine.free_cache(cache)
+    return calls
+
+
+class _Marker:
+    """The eval callback that marks when the embedding and each layer are computed."""
+
+    def __init__(self, layers: int) -> None:
+        self.names = [b"embd", *(f"l_out-{i}".encode() for i in range(layers))]
+        wanted = set(self.names)
+        self.marks: list[float] = []
+        _, ggml = library.capture_callback()
+        get_name = ggml.ggml_get_name
+        get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+
+        def observe(tensor: int, ask: bool, _user: int) -> bool:
+            if ask:  # would we look at this node once computed: then compute up to it
+                return get_name(tensor) in wanted
+            self.marks.append(time.perf_counter())
+            return True  # go on with the graph
+
+        self.callback = library.llama().ggml_backend_sched_eval_callback(observe)
+
+    def check(self) -> list[float]:
+        """This call's marks, one per name in order, or why llama.cpp's graph had others."""
+        if len(self.marks) != len(self.names):
+            raise EngineError(f"the profile expected llama.cpp's graph to pass "
+                              f"{len(self.names)} marked nodes (embd, l_out-0, ...), it "
+                              f"passed {len(self.marks)}: this architecture's graph names its "
+                              "nodes otherwise")
+        return self.marks
