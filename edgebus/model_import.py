@@ -25,7 +25,9 @@ stages can (node_agent/checkpoint.py reads the blocks).
 
 An import is built in a hidden directory beside its destination and renamed
 into place only once complete, with a marker file written last; a crash leaves
-no half-written directory that looks usable.
+no half-written directory that looks usable. `ensure_demo_model` imports under a
+lock (the hidden `.<name>.lock` beside the import), so processes that need the
+same import at once convert it once.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import re
 import shutil
 import uuid
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -46,6 +49,7 @@ import numpy.typing as npt
 from tqdm import tqdm
 
 from edgebus.errors import ModelImportError
+from edgebus.locks import exclusive
 
 if TYPE_CHECKING:
     import torch
@@ -133,17 +137,30 @@ def ensure_demo_model(dest: Path | None = None, *, progress: bool = True,
 
     if current():
         return dest
-    marker = _complete_import_marker(dest)
-    if marker is not None and marker.get("source") == src.name:
-        _replace_import(src, dest, progress=progress, keep_quantized=keep_quantized)
-        return dest
-    try:
-        return import_gguf(src, dest, progress=progress, keep_quantized=keep_quantized)
-    except ModelImportError:
-        # Another process (a second node on this box) may have won the race.
+    lock = dest.with_name(f".{dest.name}.lock")
+    # Two processes (the nodes of one box, test workers) that find no import take
+    # turns: the second finds the first's, instead of converting again beside it.
+    with ExitStack() as held:
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(exclusive(lock, waiting=lambda: print(
+                f"another process is importing {dest}; waiting for it", flush=True)))
+        except OSError as exc:
+            raise ModelImportError(f"cannot create {lock} ({exc.strerror}): choose a "
+                                   "destination in a directory you can write to") from exc
         if current():
             return dest
-        raise
+        marker = _complete_import_marker(dest)
+        if marker is not None and marker.get("source") == src.name:
+            _replace_import(src, dest, progress=progress, keep_quantized=keep_quantized)
+            return dest
+        try:
+            return import_gguf(src, dest, progress=progress, keep_quantized=keep_quantized)
+        except ModelImportError:
+            # An edgebus without this lock (an older version on the box) may have won.
+            if current():
+                return dest
+            raise
 
 
 def _replace_import(src: Path, dest: Path, *, progress: bool, keep_quantized: bool) -> None:

@@ -3,6 +3,13 @@
 Integration tests talk to real brokers, never mocks: amqtt in-process and
 Mosquitto as a subprocess, each on a port of its own. Both start in ~20 ms,
 so the broker fixtures are function-scoped and every test gets a clean one.
+
+The suite runs in several pytest-xdist workers at once (pyproject.toml's
+addopts): each worker gets an EDGEBUS_HOME of its own for agents' state (the
+journals, whose lock refuses a second coordinator of the same plant and id),
+whose model and llama.cpp caches are the machine's shared ones. Tests that
+change the host itself (network namespaces, cgroups) share an xdist group
+(`optional.HOST_NETWORK`), so they run one at a time, on one worker.
 """
 
 from __future__ import annotations
@@ -22,9 +29,15 @@ from brokers import (
 )
 from tiny_models import build_tiny
 
-from edgebus.model_import import ensure_demo_model
+from edgebus.model_import import default_model_dir, ensure_demo_model
 
 BROKER_KINDS = ["amqtt", "mosquitto"]
+# What EDGEBUS_HOME holds that is a cache, expensive to fill and safe to fill from
+# several processes at once (temporary names renamed into place, or a lock): the
+# imported models with their ONNX graphs, the stage GGUF cuts, the planner's llama.cpp
+# profiles, and llama.cpp's build and source. Everything else under a home (journal/)
+# is one worker's state.
+SHARED_CACHES = ("models", "stages", "profiles", "llama.cpp")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,6 +50,24 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collectreport(report: pytest.CollectReport) -> None:
     optional.fail_skipped_modules(report)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def edgebus_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This worker's EDGEBUS_HOME: a fresh directory whose SHARED_CACHES link to the
+    machine's (the EDGEBUS_HOME the run was started with, or ~/.cache/edgebus).
+
+    In-process coordinators and the `edgebus` processes tests start journal under it,
+    so two workers running plants of the same id never share a journal or its lock.
+    """
+    shared = default_model_dir().parent.parent
+    home = tmp_path_factory.mktemp("edgebus-home")
+    for name in SHARED_CACHES:
+        (shared / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(shared / name, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGEBUS_HOME", str(home))
+        yield home
 
 
 @pytest.fixture

@@ -40,3 +40,10 @@ def fail_skipped_modules(report: pytest.CollectReport) -> None:
         report.outcome = "failed"
         report.longrepr = f"CI must run every test file, and this one was skipped: " \
                           f"{report.longrepr} (EDGEBUS_CI=1)"
+
+
+# Tests that change the host itself (network namespaces, bridges, cgroups,
+# /run/edgebus-rehearse) run on one pytest-xdist worker, one after another
+# (`--dist loadgroup` in pyproject.toml): test_rehearse_cleanup.py checks that the
+# host is left as it was, which a rehearsal on another worker would break.
+HOST_NETWORK = pytest.mark.xdist_group("host-network")

@@ -57,7 +57,10 @@ MODES = [
       for engine, weights in [("onnxruntime", "int4"), ("onnxruntime", "int8"),
                               ("onnxruntime", "fp32"), ("torch", "int8")]),
     _BF16]
-SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
+# The whole model in one stage, and a first, a middle and a last stage. Two stages would
+# add no path: a first and a last stage, built, chained and batched as these are
+# (test_pipeline.py still runs 2 stages against the reference).
+SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "3-stages")}
 
 
 @pytest.mark.slow

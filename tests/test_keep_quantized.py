@@ -278,10 +278,11 @@ def test_unsupported_architecture_fails_as_without_the_flag(tmp_path: Path) -> N
 
 # --- the bundled SmolLM2 ---------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2_kept(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_demo_model(tmp_path_factory.mktemp("smollm2") / "kept",
-                             progress=False, keep_quantized=True)
+@pytest.fixture(scope="session")
+def smollm2_kept() -> Path:
+    """The demo model imported with its blocks kept, where `edgebus bench` keeps it (beside
+    smollm2_dir): the import (~45 s of both cores) is paid once per machine, not per worker."""
+    return ensure_demo_model(progress=False, keep_quantized=True)
 
 
 @pytest.mark.slow

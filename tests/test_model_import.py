@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from edgebus import model_import
 from edgebus.errors import ModelImportError
+from edgebus.locks import exclusive
 from edgebus.model_import import (
     MARKER_FILE,
     WEIGHTS_FILE,
@@ -154,6 +157,11 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", embedding_type: str = "F
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+# A Python that imports edgebus.model_import (numpy, tqdm) and a tiny model's import,
+# on 2 cores that other tests keep busy: minutes of margin for seconds of work.
+SECOND_PROCESS_S = 120.0
 
 
 def _leftovers(parent: Path, keep: set[str]) -> list[str]:
@@ -333,7 +341,34 @@ def test_ensure_demo_model_imports_once_and_redoes_a_stale_import(
     assert ensure_demo_model(dest, progress=False) == dest
     marker = json.loads((dest / MARKER_FILE).read_text())
     assert marker["source_mtime_ns"] == first_marker["source_mtime_ns"] + 10**9
-    assert _leftovers(home, {"tiny"}) == []
+    assert _leftovers(home, {"tiny", ".tiny.lock"}) == []
+
+
+def test_a_second_process_waits_for_the_import_in_progress_and_uses_it(
+        tiny_gguf: Path, tmp_path: Path) -> None:
+    """Two processes that find no import (the nodes of one box) import once: the second
+    waits on the first's lock, then finds its import, and converts nothing itself."""
+    dest = tmp_path / "home" / "tiny"
+    dest.parent.mkdir()
+    script = ("import sys; from pathlib import Path; from edgebus import model_import; "
+              "model_import.bundled_gguf = lambda: Path(sys.argv[1]); "
+              "print(model_import.ensure_demo_model(Path(sys.argv[2]), progress=False))")
+    with exclusive(dest.with_name(".tiny.lock")):  # this test is the first process
+        second = subprocess.Popen([sys.executable, "-c", script, str(tiny_gguf), str(dest)],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert second.stdout is not None
+            assert second.stdout.readline().startswith(f"another process is importing {dest}")
+            # The second found nothing to use and waits: now the first imports.
+            import_gguf(tiny_gguf, dest, progress=False)
+        except BaseException:
+            second.kill()
+            raise
+    imported = {p.name: p.stat().st_mtime_ns for p in dest.iterdir()}
+    out, _ = second.communicate(timeout=SECOND_PROCESS_S)
+    assert second.returncode == 0 and out.strip() == str(dest)
+    assert {p.name: p.stat().st_mtime_ns for p in dest.iterdir()} == imported
+    assert _leftovers(dest.parent, {"tiny", ".tiny.lock"}) == []
 
 
 def test_ensure_demo_model_leaves_foreign_content_alone(

@@ -128,6 +128,7 @@ def test_cycle_time_is_exact_mean_value_analysis() -> None:
 
 
 @optional.needs(netns.missing(), "a rehearsal's network")
+@optional.HOST_NETWORK
 def test_a_link_rate_changes_while_the_box_runs() -> None:
     network = netns.Network(secrets.token_hex(3))
     try:

@@ -26,7 +26,7 @@ from plant_config import BrokerSettings, Plant, StageSpec, write_plant
 from plant_config.schema import BoxSpec, Security
 
 MISSING = missing()
-pytestmark = optional.needs(MISSING, "a rehearsal")
+pytestmark = [optional.needs(MISSING, "a rehearsal"), optional.HOST_NETWORK]
 
 # Up to every agent online and one tiny answer, with torch imports on 2 busy cores.
 RUN_S = 300.0

@@ -43,7 +43,7 @@ from plant_config import BrokerSettings, CoordinatorSpec, Liveness, Plant, Stage
 from plant_config.schema import BoxSpec
 
 MISSING = missing()
-pytestmark = optional.needs(MISSING, "a rehearsal")
+pytestmark = [optional.needs(MISSING, "a rehearsal"), optional.HOST_NETWORK]
 
 # Box names: stage 0 and the coordinator; stage 1; stage 1's standby and the broker.
 HEAD, TAIL, STANDBY = "box-a", "box-b", "box-c"

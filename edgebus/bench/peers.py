@@ -16,7 +16,6 @@ the next `--build-peers` resumes it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import http.client
 import importlib.util
 import io
@@ -55,6 +54,7 @@ from edgebus.bench.metrics import (
     stream_stats,
 )
 from edgebus.errors import EdgebusError
+from edgebus.locks import exclusive
 from edgebus.model_import import edgebus_home
 from edgebus.processes import LOOPBACK, child_setup, free_port
 
@@ -191,7 +191,10 @@ def build_tools(*, jobs: int | None = None, home: Path | None = None,
                                "apt-get install cmake build-essential")
     final = tools_dir(llama_version, home)
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(final.parent / f".{llama_version}.lock", out):
+    # One build per version at a time: a second `--build-peers` waits for the first.
+    lock = final.parent / f".{llama_version}.lock"
+    with exclusive(lock, waiting=lambda: print(f"another build holds {lock}; waiting for it",
+                                               file=out, flush=True)):
         found = find_tools(home)
         if isinstance(found, LlamaTools):
             print(f"llama.cpp tools for llama-cpp-python {llama_version} are already built in "
@@ -221,21 +224,6 @@ def build_tools(*, jobs: int | None = None, home: Path | None = None,
     print(f"built {', '.join(TARGETS)} (llama.cpp commit {commit}) in {final / 'build' / 'bin'}; "
           f"source in {final / 'src'}", file=out, flush=True)
     return _layout(llama_version, final)
-
-
-@contextmanager
-def _lock(path: Path, out: TextIO) -> Iterator[None]:
-    """One build per version at a time: a second `--build-peers` waits for the first."""
-    with path.open("w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"another build holds {path}; waiting for it", file=out, flush=True)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _fetch_source(llama_version: str, partial: Path, out: TextIO) -> None:
@@ -1081,14 +1069,20 @@ def llama_source(home: Path | None = None, out: TextIO = sys.stdout) -> Path:
         raise EdgebusError("llama-cpp-python is not installed, and its version picks the "
                            "llama.cpp source: pip install llama-cpp-python")
     final = tools_dir(f"{llama_version}-source", home)
-    if not (final / "src" / "convert_hf_to_gguf.py").is_file():
-        partial = final.with_name(f".{final.name}.partial-{os.getpid()}")
-        try:
-            _fetch_source(llama_version, partial, out)
-            with contextlib.suppress(OSError):  # another process's copy got there first
-                os.rename(partial, final)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+    converter = final / "src" / "convert_hf_to_gguf.py"
+    if converter.is_file():
+        return final / "src"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that convert at once (test workers) download the sdist once, in turns.
+    with exclusive(final.with_name(f".{final.name}.lock")):
+        if not converter.is_file():
+            partial = final.with_name(f".{final.name}.partial-{os.getpid()}")
+            try:
+                _fetch_source(llama_version, partial, out)
+                with contextlib.suppress(OSError):  # an edgebus without the lock got there
+                    os.rename(partial, final)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
     return final / "src"
 
 

@@ -30,6 +30,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -45,6 +46,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from edgebus.errors import EngineError
+from edgebus.locks import exclusive
 from node_agent.blockwise import BlockQuantized
 from node_agent.checkpoint import CheckpointReader, tensor_locations
 from node_agent.engines import onnx_fusion, onnx_graphs, onnx_weights
@@ -278,29 +280,43 @@ def _graphs(model_dir: Path, skeleton: PreTrainedModel, layers: StageSlice, part
             shutil.rmtree(stale, ignore_errors=True)
     if (target / MANIFEST).is_file():
         return target
-    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
-    try:
-        staging.mkdir(parents=True)
-    except OSError as exc:
-        raise EngineError(f"cannot write the ONNX graphs of this stage under {target.parent} "
-                          f"({exc.strerror}): make the model directory writable for the "
-                          "agent's user, at least once, for the first load") from exc
-    try:
-        with tqdm(parts, desc=f"ONNX graphs of layers [{first}, {end}) in {weights}",
-                  unit="graph", disable=not progress) as bar:
-            _build(model_dir, skeleton, bar, weights, staging)
-        (staging / MANIFEST).write_text(json.dumps(
-            {"layers": [first, end], "weights": weights, "parts": [p.file_name for p in parts],
-             "key": _key(model_dir)}, indent=2) + "\n")
-        os.rename(staging, target)
-    except OSError:
-        # Another agent on this box built the same stage first: use theirs.
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / MANIFEST).is_file():
+
+    def unwritable(exc: OSError) -> EngineError:
+        return EngineError(f"cannot write the ONNX graphs of this stage under {target.parent} "
+                           f"({exc.strerror}): make the model directory writable for the "
+                           "agent's user, at least once, for the first load")
+
+    # Agents on one box that load the same layers (a stage and its standby, test workers)
+    # take turns: the second finds the first's graphs instead of exporting them again.
+    with ExitStack() as held:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(exclusive(target.parent / f".{name}.lock"))
+        except OSError as exc:
+            raise unwritable(exc) from exc
+        if (target / MANIFEST).is_file():
+            return target
+        staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+        try:
+            staging.mkdir()
+        except OSError as exc:
+            raise unwritable(exc) from exc
+        try:
+            with tqdm(parts, desc=f"ONNX graphs of layers [{first}, {end}) in {weights}",
+                      unit="graph", disable=not progress) as bar:
+                _build(model_dir, skeleton, bar, weights, staging)
+            (staging / MANIFEST).write_text(json.dumps(
+                {"layers": [first, end], "weights": weights,
+                 "parts": [p.file_name for p in parts], "key": _key(model_dir)}, indent=2) + "\n")
+            os.rename(staging, target)
+        except OSError:
+            # An agent of an edgebus without this lock built the same stage first: use theirs.
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (target / MANIFEST).is_file():
+                raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
             raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

@@ -113,7 +113,13 @@ def _digest(path: Path, cache: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     memo.parent.mkdir(parents=True, exist_ok=True)
-    memo.write_text(json.dumps({"file": key, "sha256": digest.hexdigest()}))
+    # Renamed into place: a stage hashing the same file at once never reads half of it.
+    staging = memo.with_name(f".{memo.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        staging.write_text(json.dumps({"file": key, "sha256": digest.hexdigest()}))
+        os.replace(staging, memo)
+    finally:
+        staging.unlink(missing_ok=True)
     return digest.hexdigest()
 
 
