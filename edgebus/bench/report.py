@@ -555,8 +555,9 @@ def _seed_shape(result: BenchResult) -> str:
 
 def _boxes(result: BenchResult) -> str:
     if not result.boxes or result.one_core is None:
-        return ("## Boxes add throughput\n\nNot measured (`--quick`, or `--weights` without "
-                "fp32: the phase runs fp32 stages).")
+        why = ("`--quick`" if result.settings.quick
+               else "`--weights` without fp32: the phase runs fp32 stages")
+        return f"## Boxes add throughput\n\nNot measured ({why})."
     hf = result.one_core
     one = {s.concurrency: s.tok_s for run in result.boxes if run.stages == 1 for s in run.load}
     rows = [["transformers, 1 core, one request at a time", "", rate(hf.single_tok_s),
