@@ -401,6 +401,9 @@ def _hops(result: BenchResult) -> str:
         rows.append([run.label, ms(run.hop.p50_s), ms(run.hop.p99_s), ms(run.single.itl_p50_s),
                      ms(compute), ms(run.overhead_per_hop_s)])
     return ("## Latency per hop\n\n"
+            "Where a hop's time goes, segment by segment (the broker, paho reading and "
+            "writing, frame checks, encoding), and what was cut: [architecture.md]"
+            "(architecture.md#time-per-hop).\n\n"
             + table(["plant", "broker hop p50 (one way)", "broker hop p99",
                      "decode step p50", "Σ stage compute per step",
                      "pipeline overhead per hop"], rows))
