@@ -199,15 +199,19 @@ class LlamaCppEngine(StageEngine):
         ids = sorted(seq.seq_id for seq in seqs)
         if ids[-1] - ids[0] == len(ids) - 1:
             return
-        rows, count = set(ids), len(ids)
+        rows, count, free = set(ids), len(ids), set(self._free)
+        # Running counts over the ids, so that each candidate range costs O(1).
+        blocked = [0, *itertools.accumulate(int(i in self._held and i not in rows)
+                                            for i in range(self.max_sequences))]
+        freed = [0, *itertools.accumulate(int(i in free) for i in range(self.max_sequences))]
+        inside = [0, *itertools.accumulate(int(i in rows) for i in range(self.max_sequences))]
         best: tuple[int, int] | None = None  # (moves, first id of the range)
         for first in range(self.max_sequences - count + 1):
-            span = range(first, first + count)
-            blockers = sum(1 for i in span if i in self._held and i not in rows)
-            free_outside = sum(1 for i in self._free if i not in span)
-            if blockers > free_outside:
-                continue  # no room to move the range's other sequences out of it
-            moves = blockers + sum(1 for i in ids if i not in span)
+            end = first + count
+            blockers = blocked[end] - blocked[first]
+            if blockers > len(free) - (freed[end] - freed[first]):
+                continue  # no free id outside the range to move its other sequences to
+            moves = blockers + count - (inside[end] - inside[first])
             if best is None or moves < best[0]:
                 best = (moves, first)
         if best is None:
