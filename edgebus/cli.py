@@ -539,7 +539,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per request (default 64, 16 with --quick)")
     p.add_argument("--weights", default="fp32,int4,gguf",
                    help="weight modes of the 3-stage pipeline, comma-separated: fp32 runs on "
-                        "every broker, the others on Mosquitto (default fp32,int4,gguf)")
+                        "every broker, the others on Mosquitto (default fp32,int4,gguf); the "
+                        "pinned-stage phase runs fp32 stages, so only with fp32. "
+                        "`--weights gguf --brokers mosquitto --no-seed-shape`: the llama.cpp "
+                        "plant beside llama.cpp's own tools only")
     p.add_argument("--no-seed-shape", action="store_true",
                    help="skip the seed's model shape (DeepSeek-Coder-1.3B, random weights; "
                         "~5 GB on disk, ~20 min); --quick skips it too")

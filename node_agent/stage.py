@@ -10,9 +10,12 @@ message. Prompt chunks run one per turn between those batches, so a long
 prompt never holds up other requests' tokens for more than one chunk.
 
 A message's frame headers are read and checked in the event loop against
-the plant's frame limits (cheap, nothing allocated); checksums and LZ4 run on
-a decoder thread, forward passes on a worker thread, so the loop keeps
-receiving and publishing while the CPU computes. Frames waiting (in the inbox,
+the plant's frame limits (cheap, nothing allocated); checksums and LZ4 of big
+messages run on a decoder thread, prompt chunks' forward passes on a worker
+thread, so the loop keeps receiving and publishing while the CPU computes
+them. A batch of decode rows runs in the loop itself: a step of a few
+milliseconds, which a hand-off to the worker and back lengthened by a third
+of a millisecond or more per hop (see `_run`). Frames waiting (in the inbox,
 or as prompt chunks) take at most `waiting_limit` bytes, what the node's KV
 budget can ever hold of prompts; a message past it is refused, not queued.
 
@@ -164,8 +167,10 @@ class StageAgent:
         # A cache idle this long when room is needed belongs to a request that is not
         # moving: its route lost a node, or its coordinator died (see the docstring).
         self.idle_evict_s = plant.liveness.timeout_s
-        self.caches: dict[int, Cache] = {}  # changed only by the worker thread
-        # Requests whose caches were evicted lately (EVICTED_MEMORY), by the worker thread.
+        # Changed only by a step of `_work` (on the loop, or the worker thread while the loop
+        # awaits it): one at a time.
+        self.caches: dict[int, Cache] = {}
+        # Requests whose caches were evicted lately (EVICTED_MEMORY), by `_work`'s steps.
         self._evicted: collections.OrderedDict[int, None] = collections.OrderedDict()
         config = self.model.config
         self.limits = frames.stage_limits(
@@ -194,7 +199,7 @@ class StageAgent:
         self.reporter = Reporter(self.bus, topics, node_id)
 
     def _metrics(self) -> dict[str, float]:
-        caches = list(self.caches.values())  # a snapshot: the worker thread changes the dict
+        caches = list(self.caches.values())  # a snapshot: the worker thread may change the dict
         return {**self.metrics, "queue": float(self.inbox.qsize() + len(self._prompts)),
                 "waiting_bytes": float(self.waiting), "unsent": float(self.bus.unsent),
                 "requests": float(len(caches)), "kv_bytes": float(sum(c.nbytes for c in caches))}
@@ -307,11 +312,11 @@ class StageAgent:
                 message = await self._open(await self.inbox.get())
             else:
                 message = [] if self.inbox.empty() else await self._open(self.inbox.get_nowait())
-            decodes = await self._sort(loop, message)
+            decodes = self._sort(message)
             # A message of prompt chunks only (a new request): the next group's rows, if
             # already here, share their pass.
             while not decodes and self._prompts and not self.inbox.empty():
-                decodes = await self._sort(loop, await self._open(self.inbox.get_nowait()))
+                decodes = self._sort(await self._open(self.inbox.get_nowait()))
             batches = [decodes[first:first + MAX_BATCH]
                        for first in range(0, len(decodes), MAX_BATCH)] or [[]]
             if self._prompts:  # one prompt chunk rides along: the weights are read once for both
@@ -320,12 +325,12 @@ class StageAgent:
                 if batch:
                     await self._run(loop, batch)
 
-    async def _sort(self, loop: asyncio.AbstractEventLoop, message: list[Frame]) -> list[Frame]:
+    def _sort(self, message: list[Frame]) -> list[Frame]:
         """Carry out a message's releases, queue its prompt chunks; return its decode rows."""
         decodes: list[Frame] = []
         for frame in message:
             if frame.kind == Kind.RELEASE:
-                await loop.run_in_executor(self._executor, self._release, frame)
+                self._release(frame)
                 self._done([frame])
             elif frame.prefill:
                 self._prompts.append(frame)
@@ -335,7 +340,16 @@ class StageAgent:
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[Frame]) -> None:
         try:
-            out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
+            if any(frame.prefill for frame in batch):
+                # A prompt chunk computes for tens of ms or more: on the worker thread, while
+                # the loop goes on receiving and checking frames.
+                out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
+            else:
+                # Decode rows, a step of a few ms: run here. Handing it to the worker and
+                # back took 0.3-0.4 ms each way on a loaded 2-core box (a thread wake-up,
+                # then the loop's own), per hop; meanwhile arriving messages wait in the
+                # socket, and the next step could not start before this one ends anyway.
+                out, errors = self._forward(batch)
         finally:
             self._done(batch)
         for error in errors:
@@ -344,7 +358,7 @@ class StageAgent:
         for topic, message in out.items():
             self.bus.send(topic, message)
 
-    # -- compute (worker thread) -------------------------------------------------
+    # -- compute (the loop, or the worker thread for prompt chunks) ---------------------
 
     def _forward(self, batch: list[Frame]) -> tuple[dict[str, bytes], list[str]]:
         """Run a prefill chunk or a batch of decode rows; return messages by topic, and errors."""
@@ -475,7 +489,7 @@ class StageAgent:
             return_freed_memory()
 
     def _drop(self, request: int) -> int:
-        """Let go of a request's cache, if held here (worker thread); return the bytes freed."""
+        """Let go of a request's cache, if held here; return the bytes freed."""
         cache = self.caches.pop(request, None)
         if cache is None:
             return 0
@@ -483,7 +497,7 @@ class StageAgent:
         return cache.nbytes
 
     def _evict(self, request: int) -> int:
-        """Drop a cache its request is not using (worker thread); return the bytes freed."""
+        """Drop a cache its request is not using; return the bytes freed."""
         freed = self._drop(request)
         self.metrics["evicted"] += 1
         self._evicted[request] = None

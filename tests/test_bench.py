@@ -366,6 +366,16 @@ def test_command_repeats_the_run() -> None:
         "edgebus bench --out docs/benchmarks.md --tokens 32"
 
 
+def test_a_run_without_fp32_skips_the_pinned_stage_phase_and_says_why(
+        result: BenchResult) -> None:
+    """The phase runs fp32 stages: `--weights gguf` is the llama.cpp plant and its peers."""
+    gguf = dataclasses.replace(result.settings, weights=("gguf",))
+    assert result.settings.boxes and not gguf.boxes
+    markdown = report.render_markdown(
+        dataclasses.replace(result, settings=gguf, boxes=[], one_core=None), None)
+    assert "Not measured (`--weights` without fp32" in markdown
+
+
 def test_write_report_without_matplotlib_still_writes_the_markdown(
         result: BenchResult, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(report, "write_plot", lambda result, path: False)

@@ -208,6 +208,38 @@ def test_every_block_type_splits_exactly(smollm2_dir: Path, tmp_path: Path, qtyp
         engine.close()
 
 
+def test_decode_rows_with_gapped_sequence_ids_run_as_one_pass_and_exactly(
+        smollm2_dir: Path) -> None:
+    """Rows whose sequence ids have gaps get consecutive ids before their call (llama.cpp
+    would run one micro-batch per run of ids), and their logits stay each sequence's own,
+    bit for bit: the same steps in an engine where every sequence runs alone."""
+    batched = load_engine(smollm2_dir, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    alone = load_engine(smollm2_dir, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    prompts = [torch.tensor([[1, 9690, 198, 2683 + i]]) for i in range(5)]
+    held = [batched.new_cache(0) for _ in prompts]
+    for prompt, cache in zip(prompts, held, strict=True):
+        batched.step([prompt], [cache], [0])
+    for cache in held[1::2]:  # ids 1 and 3 come back: the rest are 0, 2, 4
+        batched.free_cache(cache)
+    rows = held[::2]
+    solo = [alone.new_cache(0) for _ in rows]
+    try:
+        for cache, prompt in zip(solo, prompts[::2], strict=True):
+            alone.step([prompt], [cache], [0])
+        xs = [torch.tensor([[7 + i]]) for i in range(len(rows))]
+        for start in (4, 5):
+            together = batched.step(xs, rows, [start] * len(rows))
+            apart = [alone.step([x], [cache], [start])[0] for x, cache in zip(xs, solo,
+                                                                             strict=True)]
+            assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
+            xs = [out.argmax(-1, keepdim=True) for out in apart]
+        assert sorted(c.seq_id for c in rows) == [0, 1, 2]
+        assert batched.moves == 1  # type: ignore[attr-defined]  # id 4 to the free 1
+    finally:
+        batched.close()
+        alone.close()
+
+
 # Cuts of the tiny 6-layer models into a first, a middle and a last stage: DeepSeek's
 # layer 0 is dense and the rest MoE, so one cut falls on that boundary and one inside
 # the MoE layers. (The whole model, one stage, is the reference itself; a 2-stage split

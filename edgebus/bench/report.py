@@ -401,6 +401,9 @@ def _hops(result: BenchResult) -> str:
         rows.append([run.label, ms(run.hop.p50_s), ms(run.hop.p99_s), ms(run.single.itl_p50_s),
                      ms(compute), ms(run.overhead_per_hop_s)])
     return ("## Latency per hop\n\n"
+            "Where a hop's time goes, segment by segment (the broker, paho reading and "
+            "writing, frame checks, encoding), and what was cut: [architecture.md]"
+            "(architecture.md#time-per-hop).\n\n"
             + table(["plant", "broker hop p50 (one way)", "broker hop p99",
                      "decode step p50", "Σ stage compute per step",
                      "pipeline overhead per hop"], rows))
@@ -555,7 +558,9 @@ def _seed_shape(result: BenchResult) -> str:
 
 def _boxes(result: BenchResult) -> str:
     if not result.boxes or result.one_core is None:
-        return "## Boxes add throughput\n\nNot measured (`--quick`)."
+        why = ("`--quick`" if result.settings.quick
+               else "`--weights` without fp32: the phase runs fp32 stages")
+        return f"## Boxes add throughput\n\nNot measured ({why})."
     hf = result.one_core
     one = {s.concurrency: s.tok_s for run in result.boxes if run.stages == 1 for s in run.load}
     rows = [["transformers, 1 core, one request at a time", "", rate(hf.single_tok_s),

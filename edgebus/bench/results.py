@@ -51,7 +51,8 @@ class BenchSettings:
 
     @property
     def boxes(self) -> bool:
-        return not self.quick
+        """The pinned-stage phase: fp32 torch stages, so only when fp32 is measured."""
+        return not self.quick and "fp32" in self.weights
 
     def command(self) -> str:
         """The command line that repeats this run."""
