@@ -325,8 +325,11 @@ async def agents(plant: Plant) -> AsyncIterator[tuple[list[StageAgent], Coordina
 
 async def test_a_client_that_leaves_mid_stream_frees_the_kv_caches(
         tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
-    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)], max_tokens_limit=2048)
-    asked = 2000  # far more than it can make before the cancel lands
+    # Far more than it can make before the cancel lands: a stage of this 64-wide model steps
+    # in well under a millisecond, and 2000 tokens were once all made first on a loaded box.
+    asked = 20_000
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)],
+                      max_tokens_limit=asked + 48)
     async with agents(plant) as (stages, coordinator), serving(plant) as gateway:
         api = client(gateway)
         stream = await api.completions.create(model=tiny_llama.name, prompt=PROMPT,
