@@ -4,8 +4,8 @@ Integration tests talk to real brokers, never mocks: amqtt in-process and
 Mosquitto as a subprocess, each on a port of its own. Both start in ~20 ms,
 so the broker fixtures are function-scoped and every test gets a clean one.
 
-The suite runs in several pytest-xdist workers at once (pyproject.toml's
-addopts): each worker gets an EDGEBUS_HOME of its own for agents' state (the
+The suite can run in several pytest-xdist workers at once (`-n 3 --dist
+loadgroup`, README.md): each worker gets an EDGEBUS_HOME of its own for agents' state (the
 journals, whose lock refuses a second coordinator of the same plant and id),
 whose model and llama.cpp caches are the machine's shared ones. Tests that
 change the host itself (network namespaces, cgroups) share an xdist group
