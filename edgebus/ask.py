@@ -66,7 +66,8 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
     try:
         await _connected(bus, runner, f"{endpoint.host}:{endpoint.port}")
         try:
-            await asyncio.wait_for(online.wait(), COORDINATOR_WAIT_S)
+            async with asyncio.timeout(COORDINATOR_WAIT_S):
+                await online.wait()
         except TimeoutError:
             raise EdgebusError(
                 f"coordinator {plant.coordinator.id!r} is not online on {endpoint.host}:"
@@ -77,7 +78,8 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
         await bus.publish(topics.request(client_id), payload, qos=1)
         timeout = timeout or plant.coordinator.request_timeout_s * 2
         try:
-            return await asyncio.wait_for(done, timeout)
+            async with asyncio.timeout(timeout):
+                return await done
         except TimeoutError:
             raise EdgebusError(f"no response to request {request.id} within {timeout:.0f} s") \
                 from None

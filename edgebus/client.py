@@ -318,14 +318,16 @@ class BusClient:
             callback()
 
     async def wait_connected(self, timeout: float | None = None) -> None:
-        await asyncio.wait_for(self._connected.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await self._connected.wait()
 
     async def publish(self, topic: str, payload: bytes | str, *, qos: int = 1,
                       retain: bool = False, properties: Properties | None = None) -> None:
         """Publish, waiting up to PUBLISH_WAIT_S for a dropped connection to return."""
         for _ in range(3):
             try:
-                await asyncio.wait_for(self._connected.wait(), PUBLISH_WAIT_S)
+                async with asyncio.timeout(PUBLISH_WAIT_S):
+                    await self._connected.wait()
             except TimeoutError:
                 break
             client = self._client

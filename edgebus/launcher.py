@@ -566,7 +566,8 @@ async def _serve(plant: PlantProcesses, stop: asyncio.Event) -> int:
                 raise EdgebusError(plant._not_online(set(plant.agents) - online,
                                                      READY_TIMEOUT_S, watch))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), POLL_INTERVAL_S)
+                async with asyncio.timeout(POLL_INTERVAL_S):
+                    await stop.wait()
     return 0
 
 

@@ -855,7 +855,8 @@ class Coordinator:
             # merely slow, not losing frames, is soon waited for long enough.
             wait = min(timeout, stall * 2 ** gen.recoveries)
             try:
-                frame = await asyncio.wait_for(gen.result, wait)
+                async with asyncio.timeout(wait):
+                    frame = await gen.result
             except _Lost:
                 continue  # gen.lost is set: route again, replay
             except _Recover as exc:
@@ -968,7 +969,8 @@ class Coordinator:
         while isinstance(route := self._pick(gen), str):
             changed = self._changed
             try:
-                await asyncio.wait_for(changed.wait(), deadline - time.monotonic())
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await changed.wait()
             except TimeoutError:
                 raise RequestError("unavailable", f"waited {self.liveness.stage_wait_s:.0f} s: "
                                    f"{route}") from None

@@ -167,7 +167,9 @@ async def _messages(endpoint: BrokerEndpoint, hidden: int, broker_pid: int
             header = frames.Header(request=0, epoch=0, step=index)
             sender.send(_TOPIC, b"".join(frames.encode(frames.Kind.HIDDEN, row, header, start=0)
                                          for row in rows))
-            if await asyncio.wait_for(arrived.get(), MESSAGE_TIMEOUT_S) != BATCH_ROWS:
+            async with asyncio.timeout(MESSAGE_TIMEOUT_S):
+                got = await arrived.get()
+            if got != BATCH_ROWS:
                 raise EdgebusError("the profile's decode message lost frames on the way "
                                    "through Mosquitto")
         return ((time.process_time() - agent_s) * 1e3 / MESSAGES,

@@ -134,7 +134,8 @@ class EdgeNode:
         try:
             while not connection.done():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._rebirth.wait(), self.interval_s)
+                    async with asyncio.timeout(self.interval_s):
+                        await self._rebirth.wait()
                 if self._unreadable:
                     log.warning("%s: ignored %d NCMD messages that are no Sparkplug B payload",
                                 self.agent_id, self._unreadable)

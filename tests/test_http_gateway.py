@@ -443,3 +443,17 @@ async def test_a_stream_served_again_with_other_text_ends_in_an_error_not_a_stit
     first = await pending.next(1)
     lines = [line async for line in _events(pending, _Shape(True, "r", "m"), first, False, 1)]
     assert lines[-1] == "[DONE]" and " seal" in "".join(lines)
+
+
+async def test_a_wait_for_an_answer_ends_when_cancelled_as_a_delta_arrives() -> None:
+    # Python 3.11's asyncio.wait_for returned the inner result when a cancel met a get that
+    # had just completed, so a client's hang-up was lost and the request ran to its end
+    # (it failed CI once, at 20,000 tokens). The delta and the cancel land in one loop turn.
+    request = GenerateRequest(id="r", prompt="p")
+    pending = Pending(request, asyncio.Queue(8))
+    waiting = asyncio.create_task(pending.answer(WAIT_S))
+    await asyncio.sleep(0)  # now parked in queue.get()
+    pending.put(StreamDelta(id="r", index=0, delta="Check"))
+    waiting.cancel()
+    done, _ = await asyncio.wait({waiting}, timeout=WAIT_S)
+    assert done and waiting.cancelled()

@@ -141,7 +141,8 @@ class Gateway(_Listener):
             sent = time.perf_counter()
             await self._client.publish(self._request_topic,
                                        request.model_dump_json(exclude_none=True), qos=1)
-            done, response = await asyncio.wait_for(pending.done, timeout)
+            async with asyncio.timeout(timeout):
+                done, response = await pending.done
         except TimeoutError:
             raise EdgebusError(f"request {request.id}: no response within {timeout:.0f} s") \
                 from None

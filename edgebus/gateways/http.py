@@ -161,7 +161,8 @@ class Pending:
     async def next(self, timeout: float) -> str | GenerateResponse:
         """The next text delta, or the answer; HttpError 504 after `timeout` s without word."""
         try:
-            item = await asyncio.wait_for(self.queue.get(), timeout)
+            async with asyncio.timeout(timeout):
+                item = await self.queue.get()
         except TimeoutError:
             raise HttpError(504, f"no word from the plant for {timeout:.0f} s on request "
                                  f"{self.request.id}: is the coordinator running?",
@@ -270,7 +271,8 @@ class Gateway:
             return
         if not self._status_seen.is_set():
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._status_seen.wait(), STATUS_WAIT_S)
+                async with asyncio.timeout(STATUS_WAIT_S):
+                    await self._status_seen.wait()
         if self._coordinator != "online":
             raise HttpError(503, f"coordinator {self.plant.coordinator.id!r} is not online "
                                  f"(its status at {self._status_topic} is "

@@ -85,7 +85,8 @@ class Observer:
             if remaining <= 0:
                 raise EdgebusError(f"timed out after {timeout:.0f} s waiting for {what}")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), min(remaining, 1.0))
+                async with asyncio.timeout(min(remaining, 1.0)):
+                    await self.changed.wait()
 
     def metric(self, agent: str, name: str) -> float:
         status = self.statuses.get(agent)
