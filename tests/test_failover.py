@@ -173,10 +173,12 @@ async def test_a_broker_restart_or_crash_mid_generation_loses_no_request(
             await gw.until_online([*(s.node for s in plant.stages), plant.coordinator.id])
             await send(bus, plant, batch, gw=gw)
             await mid_generation(gw, batch, 2)
-            broker.stop(kill=crash)
-            # The coordinator comes back last (its reconnect backoff may be the longest):
-            # until then, no session of its own may be left to queue requests in.
+            # Held still from before the fault, so that no request can end before it (the
+            # tiny model's 48 tokens once all came out first), and back last (its reconnect
+            # backoff may be the longest): until then, no session of its own may be left to
+            # queue requests in.
             agents.kill(coordinator, signal.SIGSTOP)
+            broker.stop(kill=crash)
             sending = asyncio.create_task(send(bus, plant, down, gw=gw))
             broker.start()
             await sending
