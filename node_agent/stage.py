@@ -194,6 +194,13 @@ class StageAgent:
             presence=presence(topics, node_id, "stage", stage=self.index, layers=spec.layers,
                               metrics=self._metrics, engine=self.model.describe()))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{node_id}")
+        # An engine that computes on several threads (OpenMP, in llama.cpp and torch) keeps a
+        # thread team for each thread that calls it, and with two teams libgomp stops
+        # spinning at its barriers and sleeps at every one: on the 1.3B shape at 2 threads a
+        # decode step took 49-62 ms instead of 35 (25,000 context switches a run, AMD EPYC).
+        # So such an engine computes on the worker thread alone. One thread has no team:
+        # its decode rows run on the loop (see _run).
+        self._rows_on_loop = int(self.model.describe().get("threads", 1)) <= 1
         # Checksums and LZ4 of big messages, in arrival order, beside the forward pass.
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix=f"decode-{node_id}")
         self.reporter = Reporter(self.bus, topics, node_id)
@@ -340,16 +347,16 @@ class StageAgent:
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[Frame]) -> None:
         try:
-            if any(frame.prefill for frame in batch):
-                # A prompt chunk computes for tens of ms or more: on the worker thread, while
-                # the loop goes on receiving and checking frames.
-                out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
-            else:
+            if self._rows_on_loop and not any(frame.prefill for frame in batch):
                 # Decode rows, a step of a few ms: run here. Handing it to the worker and
                 # back took 0.3-0.4 ms each way on a loaded 2-core box (a thread wake-up,
                 # then the loop's own), per hop; meanwhile arriving messages wait in the
                 # socket, and the next step could not start before this one ends anyway.
                 out, errors = self._forward(batch)
+            else:
+                # A prompt chunk computes for tens of ms or more: on the worker thread, while
+                # the loop goes on receiving and checking frames.
+                out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
         finally:
             self._done(batch)
         for error in errors:

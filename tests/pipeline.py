@@ -71,7 +71,7 @@ async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
     # llama.cpp engines load in a fraction of a second but hold their whole KV budget from
     # the start: each plant gets its own, closed at the end, instead of cached ones.
     fresh = [load_engine(plant.model, *s.layers, engine=s.engine, weights=s.weights,
-                         shape=context_shape(plant, s.node))
+                         threads=s.threads, shape=context_shape(plant, s.node))
              if resolve_engine(s.engine, s.weights) == "llamacpp" else None
              for s in plant.stages]
     stages = [StageAgent(plant, s.node, model=engine or stage_model(

@@ -11,8 +11,10 @@ holds it to llama-cpp-python's `Llama.generate`.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import gguf
 import pytest
@@ -331,6 +333,38 @@ async def test_requests_past_the_sequences_wait_or_are_told_busy(
     for response in served:
         request = next(r for r in reqs if r.id == response.id)
         assert response.tokens == reference(smollm2_dir, request)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_a_stage_of_several_threads_computes_on_one_thread_only(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle, threads: int) -> None:
+    """OpenMP keeps a thread team per calling thread, and two teams made libgomp sleep at
+    every barrier (node_agent/stage.py): a stage of several threads must call its engine
+    from one thread, whatever it computes. One thread has no team: its decode rows run on
+    the event loop, which saves a thread hand-off a hop."""
+    plant = plant_for(smollm2_dir, amqtt_broker, [(0, 30)], weights="gguf",
+                      kv_budget_mb=KV_BUDGET_MB, **LIMITS)
+    plant = plant.model_copy(update={"stages": [
+        spec.model_copy(update={"threads": threads}) for spec in plant.stages]})
+    callers: list[int] = []
+    async with running(plant) as stages:
+        engine = stages[0].model
+        run = engine.run
+
+        def recorded(*args: Any) -> Any:
+            callers.append(threading.get_ident())
+            return run(*args)
+
+        engine.run = recorded  # type: ignore[method-assign, assignment]
+        request = requests()[1]  # three prompt chunks, then decode rows
+        response = await ask(plant, request.model_copy(update={"max_tokens": 4}))
+    assert response.error is None, response.error
+    assert engine.describe()["threads"] == threads
+    loop = threading.get_ident()
+    if threads == 1:
+        assert loop in callers and len(set(callers)) == 2  # chunks on the worker, rows here
+    else:
+        assert loop not in callers and len(set(callers)) == 1
 
 
 async def _until(condition: object, timeout_s: float = 30.0) -> None:
