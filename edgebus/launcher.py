@@ -90,6 +90,12 @@ RESTART_MAX_DELAY_S = 30.0
 RESTART_LIMIT = 5
 RESTART_WINDOW_S = 60.0
 
+# libgomp's spin, in rounds, for stages that have more threads than the box has cores: a
+# stage that has ended its step keeps its OpenMP threads spinning (300,000 rounds by default)
+# on cores the next stage needs. 3 stages of 2 threads on 2 cores, the 1.3B shape: their
+# steps summed 70 ms, and 45-49 ms with this (docs/architecture.md#a-stage-of-several-threads).
+SHARED_CORES_SPINCOUNT = "10000"
+
 # Forwarded child lines are written whole, one at a time, so they never interleave.
 _OUTPUT_LOCK = threading.Lock()
 
@@ -105,6 +111,7 @@ class _Child:
     argv: list[str]
     log_path: Path | None
     cpus: list[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # under the environment's own values
     proc: subprocess.Popen[bytes] | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     readers: list[threading.Thread] = field(default_factory=list)
@@ -155,10 +162,20 @@ class PlantProcesses:
         # Standby replicas idle until a failover, so the cores go by stage, not by node.
         shared = str(max(1, cores() // len(plant.pipeline)))
         groups = [] if cpus else ["--batch-groups", str(min(len(plant.pipeline), cores()))]
-        children += [self._child(stage.node, "stage",
-                                 [*command, "node", str(plant_path), "--id", stage.node,
-                                  "--threads", str(stage.threads or shared)])
-                     for stage in plant.stages]
+        stages = [self._child(stage.node, "stage",
+                              [*command, "node", str(plant_path), "--id", stage.node,
+                               "--threads", str(stage.threads or shared)])
+                  for stage in plant.stages]
+        threads = sum(stage.nodes[0].threads or int(shared) for stage in plant.pipeline)
+        # What `edgebus up` says at start about how it runs the plant on this box.
+        self.notes: list[str] = []
+        if threads > cores() and not cpus:
+            self.notes.append(f"the stages' {threads} threads outnumber this box's {cores()} "
+                              f"cores: they start with GOMP_SPINCOUNT={SHARED_CORES_SPINCOUNT}, "
+                              "so that a stage between steps leaves the cores to the next")
+            for child in stages:
+                child.env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
+        children += stages
         children.append(self._child(plant.coordinator.id, "coordinator",
                                     [*command, "coordinator", str(plant_path), *groups]))
         cpus = cpus or {}
@@ -307,7 +324,7 @@ class PlantProcesses:
     def _spawn(self, child: _Child) -> None:
         # Unbuffered: a child's lines must reach its log or our terminal as they
         # are written, not when an 8 KiB buffer fills or at exit.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**child.env, **os.environ, "PYTHONUNBUFFERED": "1"}
         with contextlib.ExitStack() as files:  # the child keeps its own log descriptor
             out: int | IO[bytes] = subprocess.PIPE
             err = subprocess.PIPE
@@ -539,6 +556,8 @@ def _say(text: str, *, error: bool = False) -> None:
 async def _serve(plant: PlantProcesses, stop: asyncio.Event) -> int:
     started = time.monotonic()
     plant.start()
+    for note in plant.notes:
+        _say(note)
     _say(f"started {', '.join(f'{n} (pid {p})' for n, p in plant.pids.items())}; "
          f"waiting for {len(plant.agents)} agents to load and come online")
     deadline = started + READY_TIMEOUT_S

@@ -29,9 +29,15 @@ from brokers import BrokerHandle, free_port
 from pipeline import engine_tokens, reference_tokens
 
 from edgebus.errors import EdgebusError
-from edgebus.launcher import RESTART_LIMIT, RESTART_MAX_DELAY_S, STOP_GRACE_S, PlantProcesses
+from edgebus.launcher import (
+    RESTART_LIMIT,
+    RESTART_MAX_DELAY_S,
+    SHARED_CORES_SPINCOUNT,
+    STOP_GRACE_S,
+    PlantProcesses,
+)
 from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
-from edgebus.processes import LOOPBACK
+from edgebus.processes import LOOPBACK, cores
 from plant_config import Plant, load_plant, make_plant, write_plant
 
 # Two stages keep the plant at four processes (broker, stages, coordinator),
@@ -111,6 +117,12 @@ def children_of(pid: int) -> list[int]:
         if ppid == pid:
             found.append(int(entry.name))
     return found
+
+
+def environment(pid: int) -> dict[str, str]:
+    """The environment `pid` was started with, from /proc."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().partition("=")[::2] for e in entries if e)
 
 
 def alive(pid: int) -> bool:
@@ -202,6 +214,10 @@ async def watch_statuses(plant: Plant, timeout: float = READY_S) -> AsyncIterato
 
 async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
     plant_path, plant = plant_file(tiny_llama, tmp_path)
+    # Every stage asks for all of the box's cores: more threads than cores, in all.
+    plant = plant.model_copy(update={"stages": [
+        s.model_copy(update={"threads": cores()}) for s in plant.stages]})
+    write_plant(plant, plant_path)
     agents = agent_ids(plant)
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
@@ -209,6 +225,10 @@ async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama: Path, tmp_pat
             children = children_of(up.pid)
             assert len(children) == len(agents) + 1  # + the embedded broker
             assert {online[a].pid for a in agents} < set(children)
+            # Their OpenMP threads stop spinning soon after a step, on cores they share.
+            spin = {a: environment(online[a].pid).get("GOMP_SPINCOUNT") for a in agents}
+            assert spin == {**{s.node: SHARED_CORES_SPINCOUNT for s in plant.stages},
+                            plant.coordinator.id: None}
 
             ask = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "edgebus", "ask", str(plant_path), "hi",
