@@ -34,6 +34,8 @@ from edgebus.bench.results import (
     Machine,
     OneCoreBaseline,
     PipelineRun,
+    SeedShape,
+    SeedShapeRun,
     TransformersBaseline,
     Wire,
 )
@@ -253,6 +255,21 @@ def test_llama_cpp_stages_are_held_to_the_whole_models_step(result: BenchResult)
     assert verdicts[f"{name}, 1 thread(s)"] == ("1.02x", "pass")
     assert verdicts[f"{name}, 2 thread(s)"] == ("1.08x", "**fail**")
     assert "| m | 1 | 10.00 ms | 4.00 + 6.20 ms | 10.20 ms | 1.02x |" in markdown
+
+
+def test_the_seed_shape_is_held_to_llama_cpp_with_a_stages_threads(
+        result: BenchResult) -> None:
+    runs = [SeedShapeRun("llamacpp", "gguf", _stream(12.0), 776 * MIB)]
+    seed = SeedShape(model="seed", prompt_tokens=45, tokens=256, runs=runs,
+                     llama_cpp={"Q4_0": _stream(25.0)}, stage_gguf="Q4_0", stage_threads=1,
+                     llama_cpp_stage_threads=_stream(15.0))
+    markdown = report.render_markdown(dataclasses.replace(result, seed_shape=seed), None)
+    # Against the one-process run with a stage's one thread (15 tok/s), not the box's two.
+    assert _verdicts(markdown)["single stream, seed Q4_0, 3 stages over Mosquitto, vs "
+                               "llama.cpp in one process with a stage's threads (1)"] == \
+        ("0.80x", "**fail**")
+    assert "| llama.cpp in one process, Q4_0 (1 thread(s), a stage's) | 17.1 s |" in markdown
+    assert "1 thread(s) each" in markdown
 
 
 def test_a_peer_that_could_not_run_says_why(result: BenchResult) -> None:

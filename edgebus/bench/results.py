@@ -165,6 +165,11 @@ class SeedShape:
     tokens: int
     runs: list[SeedShapeRun]
     llama_cpp: dict[str, StreamStats | Skipped]  # GGUF type -> llama-server single stream
+    stage_gguf: str = "Q4_0"  # the GGUF type the llamacpp stages run
+    stage_threads: int = 1  # each edgebus stage's, as `edgebus up` gives them on this box
+    # llama-server on the stages' GGUF type with a stage's threads, where those are fewer than
+    # the box's cores: the one-process run the stages are held to.
+    llama_cpp_stage_threads: StreamStats | Skipped | None = None
 
 
 @dataclass(frozen=True)

@@ -468,20 +468,27 @@ def run_seed_shape(workdir: Path, notes: list[str]
             steps = [stage_steps.measure(source, f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
                                          layers, threads)
                      for threads in sorted({1, len(os.sched_getaffinity(0))})]
-    llama: dict[str, StreamStats | peers.Skipped] = {}
-    for quant in SEED_GGUF_TYPES:
+    cores = len(os.sched_getaffinity(0))
+    # What PlantProcesses gives each stage that sets no threads: its share of the cores.
+    stage_threads = max(1, cores // PIPELINE_STAGES)
+
+    def llama_cpp(quant: str, threads: int) -> StreamStats | peers.Skipped:
         if isinstance(tools, peers.Skipped):
-            llama[quant] = tools
-            continue
+            return tools
         try:
-            gguf = peers.seed_gguf(tools, model_dir, quant)
-            llama[quant] = peers.measure_single(
-                tools, gguf, ids, tokens=SEED_COMPLETION_TOKENS, runs=1,
-                threads=len(os.sched_getaffinity(0)), log_dir=workdir / "peers-seed")
+            return peers.measure_single(
+                tools, peers.seed_gguf(tools, model_dir, quant), ids,
+                tokens=SEED_COMPLETION_TOKENS, runs=1, threads=threads,
+                log_dir=workdir / "peers-seed")
         except EdgebusError as exc:
-            llama[quant] = peers.Skipped(str(exc))
+            return peers.Skipped(str(exc))
+
+    llama = {quant: llama_cpp(quant, cores) for quant in SEED_GGUF_TYPES}
+    alike = llama_cpp(SEED_STAGE_GGUF, stage_threads) if stage_threads < cores else None
     return SeedShape(model=peers.SEED_MODEL_NAME, prompt_tokens=len(ids),
-                     tokens=SEED_COMPLETION_TOKENS, runs=runs, llama_cpp=llama), steps
+                     tokens=SEED_COMPLETION_TOKENS, runs=runs, llama_cpp=llama,
+                     stage_gguf=SEED_STAGE_GGUF, stage_threads=stage_threads,
+                     llama_cpp_stage_threads=alike), steps
 
 
 def _seed_request(name: str, tokens: int = SEED_COMPLETION_TOKENS) -> GenerateRequest:
