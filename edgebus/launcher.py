@@ -166,13 +166,14 @@ class PlantProcesses:
                               [*command, "node", str(plant_path), "--id", stage.node,
                                "--threads", str(stage.threads or shared)])
                   for stage in plant.stages]
-        threads = sum(stage.nodes[0].threads or int(shared) for stage in plant.pipeline)
+        threads = [stage.nodes[0].threads or int(shared) for stage in plant.pipeline]
         # What `edgebus up` says at start about how it runs the plant on this box.
         self.notes: list[str] = []
-        if threads > cores() and not cpus:
-            self.notes.append(f"the stages' {threads} threads outnumber this box's {cores()} "
-                              f"cores: they start with GOMP_SPINCOUNT={SHARED_CORES_SPINCOUNT}, "
-                              "so that a stage between steps leaves the cores to the next")
+        if max(threads) > 1 and sum(threads) > cores() and not cpus:
+            self.notes.append(f"the stages' {sum(threads)} threads outnumber this box's "
+                              f"{cores()} cores: they start with GOMP_SPINCOUNT="
+                              f"{SHARED_CORES_SPINCOUNT}, so that a stage between steps leaves "
+                              "the cores to the next")
             for child in stages:
                 child.env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
         children += stages
