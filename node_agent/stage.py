@@ -13,9 +13,11 @@ A message's frame headers are read and checked in the event loop against
 the plant's frame limits (cheap, nothing allocated); checksums and LZ4 of big
 messages run on a decoder thread, prompt chunks' forward passes on a worker
 thread, so the loop keeps receiving and publishing while the CPU computes
-them. A batch of decode rows runs in the loop itself: a step of a few
-milliseconds, which a hand-off to the worker and back lengthened by a third
-of a millisecond or more per hop (see `_run`). Frames waiting (in the inbox,
+them. On an engine of one thread, a batch of decode rows runs in the loop
+itself: a step of a few milliseconds, which a hand-off to the worker and back
+lengthened by a third of a millisecond or more per hop (see `_run`). An engine
+of several threads computes on the worker alone, so that OpenMP keeps one
+thread team (see `__init__`). Frames waiting (in the inbox,
 or as prompt chunks) take at most `waiting_limit` bytes, what the node's KV
 budget can ever hold of prompts; a message past it is refused, not queued.
 
@@ -354,8 +356,9 @@ class StageAgent:
                 # socket, and the next step could not start before this one ends anyway.
                 out, errors = self._forward(batch)
             else:
-                # A prompt chunk computes for tens of ms or more: on the worker thread, while
-                # the loop goes on receiving and checking frames.
+                # A prompt chunk (tens of ms or more), or any step of an engine of several
+                # threads: on the worker thread, while the loop goes on receiving and
+                # checking frames.
                 out, errors = await loop.run_in_executor(self._executor, self._forward, batch)
         finally:
             self._done(batch)
