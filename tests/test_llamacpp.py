@@ -241,6 +241,35 @@ def test_decode_rows_with_gapped_sequence_ids_run_as_one_pass_and_exactly(
         alone.close()
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "F16"])
+def test_decode_rows_in_a_batch_compute_what_each_computes_alone(
+        smollm2_dir: Path, tmp_path: Path, qtype: str) -> None:
+    """Whatever the block type: on this EPYC, F16 rows in one call are not bitwise the rows
+    alone (llamafile's sgemm takes products of 2 rows and more), Q4_1 rows are. The engine
+    finds out at load, and runs F16 decode rows one call each, so that a request's logits
+    never depend on who shares its step."""
+    model = smollm2_dir if qtype == "Q4_1" else requantize(
+        smollm2_dir, tmp_path / qtype, gguf.GGMLQuantizationType[qtype])
+    batched = load_engine(model, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    alone = load_engine(model, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    assert batched.batch_invariant == (qtype == "Q4_1")  # type: ignore[attr-defined]
+    prompts = [torch.tensor([[1, 9690, 198, 2683 + i]]) for i in range(4)]
+    rows = [batched.new_cache(0) for _ in prompts]
+    try:
+        xs = []
+        for prompt, cache in zip(prompts, rows, strict=True):
+            xs.append(batched.step([prompt], [cache], [0])[0].argmax(-1, keepdim=True))
+        together = batched.step(xs, rows, [4] * len(rows))
+        for prompt, x, out in zip(prompts, xs, together, strict=True):
+            solo = alone.new_cache(0)
+            alone.step([prompt], [solo], [0])
+            assert torch.equal(alone.step([x], [solo], [4])[0], out)
+            alone.free_cache(solo)
+    finally:
+        batched.close()
+        alone.close()
+
+
 # Cuts of the tiny 6-layer models into a first, a middle and a last stage: DeepSeek's
 # layer 0 is dense and the rest MoE, so one cut falls on that boundary and one inside
 # the MoE layers. (The whole model, one stage, is the reference itself; a 2-stage split

@@ -29,6 +29,15 @@ one-position calls. So:
   call with decode rows, llama.cpp would split it anyway (one position beside
   the decode rows, the rest after: llama-batch.cpp, split_equal), so the
   separate call reads the weights no more often.
+
+Batch invariance depends on the block types and the CPU, so the engine measures
+it at load (`_rows_stay_exact_in_batches`). On the EPYC, Q4_0, Q4_1 and Q8_0
+rows are bitwise the same alone and in a batch; F16 and BF16 rows are not: ggml
+hands a matrix product of 2 rows or more to llamafile's sgemm, which sums in
+another order than the one-row path (sgemm.cpp: "only enable sgemm for prompt
+processing"), 0.02 apart on SmolLM2's logits. Where the probe finds a
+difference, each decode row runs as its own call: exact, but every request's
+row reads the weights again.
 """
 
 from __future__ import annotations
@@ -64,6 +73,10 @@ KV_ITEM_BYTES = 2
 # Flash attention off: the exactness tests and the batch invariance measured
 # with the prototype hold for llama.cpp's plain attention path.
 FLASH_ATTN = 0
+# Rows the load-time probe batches: the bench's 16 concurrent requests. Kernels pick
+# their tiling by the row count (ggml's repacked ARM kernels go from gemv to gemm at 4),
+# so the probe tries as many rows as a stage batches in practice.
+PROBE_ROWS = 16
 
 
 class SeqCache:
@@ -161,6 +174,8 @@ class LlamaCppEngine(StageEngine):
                               f"positions for {self.max_sequences} requests: lower kv_budget_mb")
         self._memory = lowlevel.llama_get_memory(self._context)
         self._batch = _Batch(lowlevel, rows)
+        # A profiling engine (observer) times single requests and never batches.
+        self.batch_invariant = observer is not None or self._rows_stay_exact_in_batches()
 
     @property
     def param_bytes(self) -> int:
@@ -169,7 +184,7 @@ class LlamaCppEngine(StageEngine):
     def describe(self) -> dict[str, str | int | float]:
         return {"engine": self.name, "weights": "gguf", "device": self.device,
                 "threads": self.threads, "tuned": self.tuned, "weight_bytes": self.param_bytes,
-                "sequences": self.max_sequences}
+                "sequences": self.max_sequences, "batch_invariant": self.batch_invariant}
 
     def kv_bytes_per_token(self) -> int:
         return self.kv_per_position
@@ -243,6 +258,31 @@ class LlamaCppEngine(StageEngine):
         seq.seq_id = dst
         self.moves += 1
 
+    def _rows_stay_exact_in_batches(self) -> bool:
+        """Whether decode rows of several sequences in one call compute, bit for bit, what
+        each computes alone: run PROBE_ROWS one-position rows alone, then together."""
+        count = min(PROBE_ROWS, self.max_sequences, self._batch.capacity)
+        if count < 2:
+            return True
+        if self.slice.has_embedding:
+            xs = [np.array([[token]]) for token in range(1, count + 1)]
+        else:
+            rng = np.random.default_rng(0)
+            xs = [rng.standard_normal((1, 1, self.hidden)).astype(np.float32)
+                  for _ in range(count)]
+        seqs = [SeqCache(seq_id, 0, self.kv_per_position) for seq_id in range(count)]
+        try:
+            alone = [self._call([x], [seq], [0], [True])[0] for x, seq in zip(xs, seqs,
+                                                                                 strict=True)]
+            for seq in seqs:
+                self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
+                seq.held = 0
+            together = self._call(xs, seqs, [0] * count, [True] * count)
+        finally:
+            for seq in seqs:
+                self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
+        return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
+
     # -- forward passes ------------------------------------------------------------
 
     def step(self, xs: list[torch.Tensor], caches: list[Any], starts: list[int],
@@ -261,10 +301,10 @@ class LlamaCppEngine(StageEngine):
         wanted = logits if logits is not None else [True] * len(xs)
         answer: list[np.ndarray | None] = [None] * len(xs)
         singles = [i for i, x in enumerate(xs) if x.shape[1] == 1]
-        if len(singles) > 1:
+        if len(singles) > 1 and self.batch_invariant:
             self._contiguous([seqs[i] for i in singles])
         singles.sort(key=lambda i: seqs[i].seq_id)
-        calls = [singles] if singles else []
+        calls = [singles] if singles and self.batch_invariant else [[i] for i in singles]
         calls += [[i] for i, x in enumerate(xs) if x.shape[1] > 1]
         for rows in calls:
             outputs = self._call([xs[i] for i in rows], [seqs[i] for i in rows],
