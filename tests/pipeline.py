@@ -161,3 +161,13 @@ def reference_tokens(model_dir: Path, request: GenerateRequest) -> list[int]:
     """What `generate(do_sample=False)` in one process gives for `request`."""
     ids = tuple(prompt_ids(model_dir, request))
     return list(_generate(model_dir, ids, request.max_tokens, request.ignore_eos))
+
+
+def plant_reference(plant: Plant, request: GenerateRequest) -> list[int]:
+    """What `plant` must answer to greedy `request`: llama.cpp's answer for the GGUF whole,
+    with the prompt in the plant's chunks, where every stage is `weights: gguf`; otherwise
+    `generate`'s on the fp32 checkpoint."""
+    if all(s.weights == "gguf" for s in plant.stages):
+        return engine_tokens(plant.model, request, "llamacpp", "gguf",
+                             plant.coordinator.prefill_chunk)
+    return reference_tokens(plant.model, request)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiomqtt
-from pipeline import reference_tokens
+from pipeline import plant_reference
 
 from edgebus.client import BusClient
 from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
@@ -193,11 +193,11 @@ async def mid_generation(gw: Gateway, batch: list[GenerateRequest], tokens: int,
     await gw.until(lambda: min(gw.deltas.get(r.id, 0) for r in batch) >= tokens, timeout)
 
 
-def assert_exact(model: Path, gw: Gateway, batch: list[GenerateRequest]) -> None:
+def assert_exact(plant: Plant, gw: Gateway, batch: list[GenerateRequest]) -> None:
     for request in batch:
         response = gw.responses[request.id]
         assert response.error is None, (request.id, response.error)
-        assert response.tokens == reference_tokens(model, request), request.id
+        assert response.tokens == plant_reference(plant, request), request.id
 
 
 class AgentProcesses:

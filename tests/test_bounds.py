@@ -141,7 +141,7 @@ async def test_an_lz4_bomb_costs_a_stage_nothing_and_valid_requests_stay_exact(
     assert grown <= budget(plant, target)
     refusals = gw.messages("exceeds the largest legal frame")
     assert all(target in m or "stage-1" in m for m in refusals), refusals
-    assert_exact(tiny_llama, gw, warm + batch)
+    assert_exact(plant, gw, warm + batch)
 
 
 def flood_message(first: int) -> bytes:
@@ -233,7 +233,7 @@ async def test_a_flood_of_frames_is_refused_at_the_bound_and_every_frame_account
     assert set(counter.counts.values()) == {1} and not counter.bad
     assert gw.messages("refused")  # the bound was reached, and said so
     assert grown <= budget(plant, target)
-    assert_exact(tiny_llama, gw, batch)
+    assert_exact(plant, gw, batch)
 
 
 async def test_a_broker_that_stops_reading_makes_send_refuse_past_the_outgoing_bound(

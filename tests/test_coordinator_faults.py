@@ -56,7 +56,7 @@ def write_plant_file(model: Path, broker: BrokerHandle, workdir: Path, plant_id:
                      instances: tuple[str, ...] = (),
                      security: Security | None = None) -> tuple[Path, Plant]:
     plant = make_plant(model, stages=2, broker=f"mqtt://{broker.host}:{broker.port}",
-                       plant_id=plant_id)
+                       plant_id=plant_id, weights="gguf")
     plant = plant.model_copy(update={
         "liveness": LIVENESS,
         "broker": plant.broker.model_copy(update={"protocol": "5" if broker.mqtt5 else "3.1.1"}),
@@ -82,10 +82,10 @@ async def answered_once(gw: Gateway, agents: AgentProcesses, coordinators: dict[
 
 @pytest.mark.parametrize("kind", ["mosquitto", "amqtt"])
 async def test_a_coordinator_killed_mid_generation_answers_every_request_once_restarted(
-        kind: str, tiny_llama: Path, tmp_path: Path, request: pytest.FixtureRequest,
+        kind: str, tiny_llama_gguf: Path, tmp_path: Path, request: pytest.FixtureRequest,
         monkeypatch: pytest.MonkeyPatch) -> None:
     broker: BrokerHandle = request.getfixturevalue(f"{kind}_broker")
-    path, plant = write_plant_file(tiny_llama, broker, tmp_path, "restart")
+    path, plant = write_plant_file(tiny_llama_gguf, broker, tmp_path, "restart")
     monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))  # where the agents keep it
     journal = default_directory(plant.plant_id, plant.topic_root, plant.coordinator.id)
     coordinator = plant.coordinator.id
@@ -111,17 +111,17 @@ async def test_a_coordinator_killed_mid_generation_answers_every_request_once_re
             await gw.until(lambda: not list(journal.glob("*.json")), 60)
             await answered_once(gw, agents, {coordinator: "coordinator"},
                                 [r.id for r in batch])
-    assert_exact(tiny_llama, gw, batch)
+    assert_exact(plant, gw, batch)
 
 
 async def test_two_coordinators_share_requests_and_either_can_die(
-        tiny_llama: Path, tmp_path: Path) -> None:
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
     """With security on, as `edgebus init` sets it up: both log in as the coordinator,
     and each one's status and Will, which the other watches, must pass the ACL."""
     conf = tmp_path / "conf"
     broker = MosquittoBroker(tmp_path / "mosquitto", include_dir=conf)
     path, plant = write_plant_file(
-        tiny_llama, broker, tmp_path, "pair", instances=("b",),
+        tiny_llama_gguf, broker, tmp_path, "pair", instances=("b",),
         security=Security(credentials=tmp_path / "credentials", gateways=["plc"], ops=["ops"]))
     write_mosquitto_config(plant, conf, bind=LOOPBACK)
     first, second = plant.coordinator.id, f"{plant.coordinator.id}.b"
@@ -165,26 +165,26 @@ async def test_two_coordinators_share_requests_and_either_can_die(
                       f"request(s) from {victim}'s session; {victim} resumed "
                       f"{gw.metric(victim, 'resumed'):.0f} from its journal")
             await answered_once(gw, agents, processes, [r.id for r in everyone])
-    assert_exact(tiny_llama, gw, everyone)
+    assert_exact(plant, gw, everyone)
 
 
 def test_several_coordinators_need_mqtt_5_and_a_declared_name(
-        tiny_llama: Path, amqtt_broker: AmqttBroker, mosquitto_broker: MosquittoBroker,
+        tiny_llama_gguf: Path, amqtt_broker: AmqttBroker, mosquitto_broker: MosquittoBroker,
         tmp_path: Path) -> None:
-    _, plant = write_plant_file(tiny_llama, amqtt_broker, tmp_path, "amqtt", instances=("b",))
+    _, plant = write_plant_file(tiny_llama_gguf, amqtt_broker, tmp_path, "amqtt", instances=("b",))
     with pytest.raises(EdgebusError, match="MQTT 5 shared subscription"):
         Coordinator(plant, journal_dir=tmp_path / "journal")
-    _, plant = write_plant_file(tiny_llama, mosquitto_broker, tmp_path, "mosquitto")
+    _, plant = write_plant_file(tiny_llama_gguf, mosquitto_broker, tmp_path, "mosquitto")
     with pytest.raises(EdgebusError, match=r"not in the plant file's coordinator\.instances"):
         Coordinator(plant, instance="c", journal_dir=tmp_path / "journal")
 
 
 async def test_a_second_coordinator_with_the_same_id_and_home_is_refused(
-        tiny_llama: Path, amqtt_broker: AmqttBroker, tmp_path: Path,
+        tiny_llama_gguf: Path, amqtt_broker: AmqttBroker, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`edgebus coordinator` started twice on one box (one by hand beside systemd's): the
     second stops at once, naming the first, which goes on serving."""
-    path, plant = write_plant_file(tiny_llama, amqtt_broker, tmp_path, "twice")
+    path, plant = write_plant_file(tiny_llama_gguf, amqtt_broker, tmp_path, "twice")
     monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))  # where the agents keep it
     journal = default_directory(plant.plant_id, plant.topic_root, plant.coordinator.id)
     with AgentProcesses(path, tmp_path) as agents:

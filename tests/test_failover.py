@@ -60,7 +60,7 @@ def requests(tokens: int = TOKENS) -> list[GenerateRequest]:
 def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path, *,
                      replicas: int) -> tuple[Path, Plant]:
     plant = make_plant(model, stages=2, broker=broker.url, plant_id="failover",
-                       replicas=replicas)
+                       replicas=replicas, weights="gguf")
     plant = plant.model_copy(update={
         "liveness": LIVENESS,
         "coordinator": plant.coordinator.model_copy(
@@ -85,8 +85,8 @@ def failovers(gw: Gateway, plant: Plant) -> float:
 
 
 async def test_kill_9_of_a_stage_node_fails_over_to_its_standby(
-        tiny_llama: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
-    path, plant = write_plant_file(tiny_llama, mosquitto_broker, tmp_path, replicas=2)
+        tiny_llama_gguf: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
+    path, plant = write_plant_file(tiny_llama_gguf, mosquitto_broker, tmp_path, replicas=2)
     victim, standby = plant.pipeline[1].node_ids
     frozen = plant.pipeline[0].node_ids[0]
     batch = requests()
@@ -126,7 +126,7 @@ async def test_kill_9_of_a_stage_node_fails_over_to_its_standby(
     killed_replays = [m for m in replays if victim in m and "went offline" in m]
     hung_replays = [m for m in replays if frozen in m and "no heartbeat" in m]
     assert killed_replays and hung_replays, replays
-    assert_exact(tiny_llama, gw, batch + hung)
+    assert_exact(plant, gw, batch + hung)
     for request in late:
         error = gw.responses[request.id].error
         assert error is not None and error.code == "unavailable", error
@@ -147,7 +147,7 @@ SAVE_ON_EVERY_CHANGE = "autosave_on_changes true\n"
     (False, False, False), (True, True, False), (True, False, True)],
     ids=["restart", "kill-9, broker saves every change", "kill-9, gateway re-sends"])
 async def test_a_broker_restart_or_crash_mid_generation_loses_no_request(
-        crash: bool, saves_every_change: bool, resend: bool, tiny_llama: Path,
+        crash: bool, saves_every_change: bool, resend: bool, tiny_llama_gguf: Path,
         make_mosquitto: Callable[..., MosquittoBroker], tmp_path: Path) -> None:
     """A restart saves the broker's database; after a crash, what it had not saved is
     gone: the subscription of a coordinator that reconnects after the gateway, and what
@@ -160,7 +160,7 @@ async def test_a_broker_restart_or_crash_mid_generation_loses_no_request(
         with broker.conf_path.open("a") as conf:
             conf.write(SAVE_ON_EVERY_CHANGE)
         broker.start()
-    path, plant = write_plant_file(tiny_llama, broker, tmp_path, replicas=1)
+    path, plant = write_plant_file(tiny_llama_gguf, broker, tmp_path, replicas=1)
     batch = requests()
     # Sent while the broker is down: the gateway's client holds them until it is back.
     down = [r.model_copy(update={"id": f"down-{r.id}"}) for r in batch[:2]]
@@ -191,14 +191,14 @@ async def test_a_broker_restart_or_crash_mid_generation_loses_no_request(
                   f"{gw.resent} unanswered request(s) again")
         assert all(proc.poll() is None for proc in agents.procs.values()), \
             "an agent died with the broker"
-    assert_exact(tiny_llama, gw, batch + down)
+    assert_exact(plant, gw, batch + down)
 
 
 async def test_a_request_sent_while_the_coordinator_is_down_is_answered(
-        tiny_llama: Path, make_mosquitto: Callable[..., MosquittoBroker],
+        tiny_llama_gguf: Path, make_mosquitto: Callable[..., MosquittoBroker],
         tmp_path: Path) -> None:
     broker = make_mosquitto(persistence=True)
-    path, plant = write_plant_file(tiny_llama, broker, tmp_path, replicas=1)
+    path, plant = write_plant_file(tiny_llama_gguf, broker, tmp_path, replicas=1)
     request = requests(tokens=8)[0]
     async with plant_running(path, tmp_path / "logs") as processes:
         coordinator = processes.pids[plant.coordinator.id]
@@ -219,4 +219,4 @@ async def test_a_request_sent_while_the_coordinator_is_down_is_answered(
             finally:
                 restarted.terminate()
                 restarted.wait(30)
-    assert_exact(tiny_llama, gw, [request])
+    assert_exact(plant, gw, [request])
