@@ -69,8 +69,10 @@ Statuses = dict[str, AgentStatus]
 
 
 def plant_file(model: Path, workdir: Path, broker: str = "embedded") -> tuple[Path, Plant]:
-    """A STAGES-stage plant; with the embedded broker, on a free port (never 1883)."""
-    plant = make_plant(model, stages=STAGES, broker=broker, plant_id="uptest")
+    """A STAGES-stage plant of llama.cpp stages (what `up` does is the same for every engine,
+    and these agents start without importing torch); with the embedded broker, on a free
+    port (never 1883)."""
+    plant = make_plant(model, stages=STAGES, broker=broker, plant_id="uptest", weights="gguf")
     if plant.broker.embedded:
         plant = plant.model_copy(update={"broker": plant.broker.model_copy(
             update={"host": LOOPBACK, "port": free_port()})})
@@ -212,8 +214,9 @@ async def watch_statuses(plant: Plant, timeout: float = READY_S) -> AsyncIterato
         await client.__aexit__(None, None, None)
 
 
-async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama: Path, tmp_path: Path) -> None:
-    plant_path, plant = plant_file(tiny_llama, tmp_path)
+async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama_gguf: Path,
+                                                      tmp_path: Path) -> None:
+    plant_path, plant = plant_file(tiny_llama_gguf, tmp_path)
     # Every stage asks for all of the box's cores (2 at least): more threads than cores.
     plant = plant.model_copy(update={"stages": [
         s.model_copy(update={"threads": max(2, cores())}) for s in plant.stages]})
@@ -254,11 +257,11 @@ async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama: Path, tmp_pat
         assert len(warnings) == 1, (agent, warnings)
 
 
-async def test_children_die_with_a_sigkilled_up(tiny_llama: Path, tmp_path: Path,
+async def test_children_die_with_a_sigkilled_up(tiny_llama_gguf: Path, tmp_path: Path,
                                                 mosquitto_broker: BrokerHandle) -> None:
     # An external broker outlives `up`, so the statuses left behind can be read.
     plant_path, plant = plant_file(
-        tiny_llama, tmp_path, f"mqtt://{mosquitto_broker.host}:{mosquitto_broker.port}")
+        tiny_llama_gguf, tmp_path, f"mqtt://{mosquitto_broker.host}:{mosquitto_broker.port}")
     agents = agent_ids(plant)
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
@@ -293,12 +296,12 @@ def on_a_free_port(plant_path: Path) -> Plant:
 
 @pytest.mark.parametrize("weights", ["fp32", "gguf"])
 async def test_kill_9_of_a_stage_node_under_up_loses_no_request_and_it_comes_back(
-        tiny_llama: Path, smollm2_dir: Path, tmp_path: Path, weights: str) -> None:
+        tiny_llama: Path, tiny_llama_gguf: Path, tmp_path: Path, weights: str) -> None:
     """docs/failover.md's flow as a new user follows it: `init --replicas 2`, `up`, requests,
     `kill -9` of a node. Its standby finishes its requests, token-exact; `up` restarts it.
-    On llama.cpp (gguf, SmolLM2: the tiny Llama has no GGUF) too: the replay feeds the
-    history as it was first fed, so the standby's KV is bitwise the dead node's."""
-    model = tiny_llama if weights == "fp32" else smollm2_dir
+    On llama.cpp (gguf) too: the replay feeds the history as it was first fed, so the
+    standby's KV is bitwise the dead node's."""
+    model = tiny_llama if weights == "fp32" else tiny_llama_gguf
     plant_path = tmp_path / "plant.yaml"
     edgebus_cli("init", str(plant_path), "--model", str(model), "--stages", "3",
                 "--replicas", "2", "--weights", weights)
@@ -401,9 +404,9 @@ class Gateway:
                 await self._changed.wait()
 
 
-async def test_an_agent_that_keeps_dying_stops_the_plant_with_exit_1(tiny_llama: Path,
+async def test_an_agent_that_keeps_dying_stops_the_plant_with_exit_1(tiny_llama_gguf: Path,
                                                                      tmp_path: Path) -> None:
-    plant_path, plant = plant_file(tiny_llama, tmp_path)
+    plant_path, plant = plant_file(tiny_llama_gguf, tmp_path)
     agents = agent_ids(plant)
     victim = plant.stages[-1].node
     with edgebus_up(plant_path, tmp_path) as up:
@@ -434,11 +437,12 @@ async def next_child(parent: int, known: set[int], timeout: float) -> int:
     return pid
 
 
-def test_an_agent_that_cannot_start_stops_up_with_its_error(tiny_llama: Path,
+def test_an_agent_that_cannot_start_stops_up_with_its_error(tiny_llama_gguf: Path,
                                                            tmp_path: Path) -> None:
     """A configuration error a restart would only repeat: `up` stops and quotes it."""
     plant_path = tmp_path / "plant.yaml"
-    edgebus_cli("init", str(plant_path), "--model", str(tiny_llama), "--stages", "2")
+    edgebus_cli("init", str(plant_path), "--model", str(tiny_llama_gguf), "--stages", "2",
+                "--weights", "gguf")
     plant = on_a_free_port(plant_path)
     assert plant.security is not None
     (plant.security.credentials / "stage-1.password").unlink()
@@ -450,9 +454,9 @@ def test_an_agent_that_cannot_start_stops_up_with_its_error(tiny_llama: Path,
     assert "restarting" not in report
 
 
-def test_a_taken_broker_port_fails_before_anything_starts(tiny_llama: Path,
+def test_a_taken_broker_port_fails_before_anything_starts(tiny_llama_gguf: Path,
                                                           tmp_path: Path) -> None:
-    plant_path, plant = plant_file(tiny_llama, tmp_path)
+    plant_path, plant = plant_file(tiny_llama_gguf, tmp_path)
     with socket.create_server((LOOPBACK, plant.broker.port)):  # as a Mosquitto on 1883 would
         plant_processes = PlantProcesses(plant_path)
         with pytest.raises(EdgebusError, match=f"port {plant.broker.port} .* already in use"):
@@ -461,10 +465,10 @@ def test_a_taken_broker_port_fails_before_anything_starts(tiny_llama: Path,
 
 
 async def test_a_stage_killed_by_sigill_is_reported_with_what_to_do(
-        tiny_llama: Path, tmp_path: Path) -> None:
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
     """SIGILL is a CPU refusing an instruction llama.cpp was built for (an Intel VM
     advertising AMX): `up` says so and where the fix is, and restarts the node."""
-    plant_path, plant = plant_file(tiny_llama, tmp_path)
+    plant_path, plant = plant_file(tiny_llama_gguf, tmp_path)
     victim = plant.stages[0].node
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
