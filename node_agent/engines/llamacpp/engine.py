@@ -281,7 +281,8 @@ class LlamaCppEngine(StageEngine):
         finally:
             for seq in seqs:
                 self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
-        return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
+        return all(a is not None and b is not None and np.array_equal(a, b)
+                   for a, b in zip(alone, together, strict=True))
 
     # -- forward passes ------------------------------------------------------------
 
