@@ -61,13 +61,14 @@ def snapshot(run: str | None = None) -> dict[str, set[str]]:
 
 
 def plant_file(model: Path, workdir: Path) -> tuple[Path, Path]:
-    """A one-box plant with security on; its path and its credentials directory."""
+    """A one-box plant with security on, its stage on llama.cpp (whose agent starts on its
+    box's core share without importing torch); its path and its credentials directory."""
     credentials = workdir / "credentials"
     credentials.mkdir(mode=0o700)
     plant = Plant(plant_id="cleanup", topic_root="edgebus-test/cleanup",
                   broker=BrokerSettings(url="mqtt://box-a:1883"), model=model,
                   boxes=[BoxSpec(name="box-a", memory_mb=2048, speed=1.0)],
-                  stages=[StageSpec(node="box-a", layers=(0, 6))],
+                  stages=[StageSpec(node="box-a", layers=(0, 6), weights="gguf")],
                   security=Security(credentials=credentials, gateways=["plc-1"], ops=["ops"]))
     path = workdir / "plant.yaml"
     write_plant(plant, path)
@@ -100,8 +101,8 @@ def run_of(out: str) -> str:
 
 
 def test_a_normal_end_leaves_the_host_as_it_was_and_the_credentials_untouched(
-        tiny_llama: Path, tmp_path: Path) -> None:
-    path, credentials = plant_file(tiny_llama, tmp_path)
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    path, credentials = plant_file(tiny_llama_gguf, tmp_path)
     before_files = sorted(credentials.iterdir())
     before = snapshot()
     proc = rehearse(str(path), "--requests", "1", "--tokens", "2", "--cpus", "1")
@@ -120,8 +121,8 @@ def test_a_normal_end_leaves_the_host_as_it_was_and_the_credentials_untouched(
     assert sorted(credentials.iterdir()) == before_files == []
 
 
-def test_kill_9_then_clean_leaves_the_host_as_it_was(tiny_llama: Path, tmp_path: Path) -> None:
-    path, _ = plant_file(tiny_llama, tmp_path)
+def test_kill_9_then_clean_leaves_the_host_as_it_was(tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    path, _ = plant_file(tiny_llama_gguf, tmp_path)
     before = snapshot()
     proc = rehearse(str(path), "--cpus", "1")
     try:
