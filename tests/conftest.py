@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optional
+import pipeline
 import pytest
 from brokers import (
     MOSQUITTO_INSTALL_HINT,
@@ -69,6 +70,14 @@ def edgebus_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EDGEBUS_HOME", str(home))
         yield home
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_models() -> Iterator[None]:
+    """A module's shared stage engines and reference models go when it ends
+    (pipeline.release_models)."""
+    yield
+    pipeline.release_models()
 
 
 @pytest.fixture

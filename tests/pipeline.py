@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -31,6 +32,7 @@ from edgebus.messages import GenerateRequest, GenerateResponse
 from node_agent.coordinator import Coordinator, prefill_chunks
 from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.gguf_model import is_gguf
+from node_agent.memory import return_freed_memory
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
 from plant_config.schema import EngineName, WeightMode, resolve_engine
@@ -53,10 +55,29 @@ def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int,
         coordinator=CoordinatorSpec(**coordinator))  # type: ignore[arg-type]
 
 
-@functools.cache
+# Loaded stage engines, shared between tests because loading is the slow part, until
+# release_models (conftest.py: at the end of each test module). Kept for the whole run, the
+# suite's process held 13.5 GB by its end: every engine, mode and split of SmolLM2.
+_STAGES: dict[tuple[Path, int, int, WeightMode, EngineName], StageEngine] = {}
+
+
 def stage_model(model_dir: Path, first: int, end: int, weights: WeightMode = "fp32",
                 engine: EngineName = "auto") -> StageEngine:
-    return load_engine(model_dir, first, end, engine=engine, weights=weights)
+    key = (model_dir, first, end, weights, engine)
+    if key not in _STAGES:
+        _STAGES[key] = load_engine(model_dir, first, end, engine=engine, weights=weights)
+    return _STAGES[key]
+
+
+def release_models() -> None:
+    """Close the shared stage engines and drop the reference models; the next test that
+    needs one loads it again."""
+    for engine in _STAGES.values():
+        engine.close()
+    _STAGES.clear()
+    _reference_model.cache_clear()
+    gc.collect()
+    return_freed_memory()
 
 
 @functools.cache
