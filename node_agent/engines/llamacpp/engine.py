@@ -302,10 +302,12 @@ class LlamaCppEngine(StageEngine):
         wanted = logits if logits is not None else [True] * len(xs)
         answer: list[np.ndarray | None] = [None] * len(xs)
         singles = [i for i, x in enumerate(xs) if x.shape[1] == 1]
-        if len(singles) > 1 and self.batch_invariant:
+        if self.batch_invariant and len(singles) > 1:
             self._contiguous([seqs[i] for i in singles])
-        singles.sort(key=lambda i: seqs[i].seq_id)
-        calls = [singles] if singles and self.batch_invariant else [[i] for i in singles]
+            singles.sort(key=lambda i: seqs[i].seq_id)
+            calls = [singles]
+        else:
+            calls = [[i] for i in singles]
         calls += [[i] for i, x in enumerate(xs) if x.shape[1] > 1]
         for rows in calls:
             outputs = self._call([xs[i] for i in rows], [seqs[i] for i in rows],
