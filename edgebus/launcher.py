@@ -124,6 +124,17 @@ class _Child:
     given_up: bool = False  # exited cleanly: left stopped, as systemd would
 
 
+def shared_threads(stages: int) -> int:
+    """A stage's threads where `stages` stages share this box and the plant sets none."""
+    return max(1, cores() // stages)
+
+
+def shared_groups(stages: int) -> int:
+    """Request groups the coordinator keeps in flight where `stages` stages share this box:
+    as many as can compute at once, one per core (why: PlantProcesses.__init__)."""
+    return min(stages, cores())
+
+
 class PlantProcesses:
     """Every agent of one plant file, each in its own process; a context manager that stops them.
 
@@ -160,8 +171,8 @@ class PlantProcesses:
         # cores, 16 requests: 1 group 62-65 tok/s, 2 groups 71-94, 3 groups
         # 72-74). Pinned stages stand for boxes and keep one group per stage.
         # Standby replicas idle until a failover, so the cores go by stage, not by node.
-        shared = str(max(1, cores() // len(plant.pipeline)))
-        groups = [] if cpus else ["--batch-groups", str(min(len(plant.pipeline), cores()))]
+        shared = str(shared_threads(len(plant.pipeline)))
+        groups = [] if cpus else ["--batch-groups", str(shared_groups(len(plant.pipeline)))]
         stages = [self._child(stage.node, "stage",
                               [*command, "node", str(plant_path), "--id", stage.node,
                                "--threads", str(stage.threads or shared)])

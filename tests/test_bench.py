@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edgebus.bench import report
+from edgebus.bench import report, shared_cores
 from edgebus.bench.metrics import (
     HopLatency,
     LoadStats,
@@ -39,6 +39,7 @@ from edgebus.bench.results import (
     TransformersBaseline,
     Wire,
 )
+from edgebus.bench.shared_cores import Floor
 from edgebus.bench.stage_steps import StageSteps
 from edgebus.processes import proc_status_bytes
 
@@ -255,6 +256,37 @@ def test_llama_cpp_stages_are_held_to_the_whole_models_step(result: BenchResult)
     assert verdicts[f"{name}, 1 thread(s)"] == ("1.02x", "pass")
     assert verdicts[f"{name}, 2 thread(s)"] == ("1.08x", "**fail**")
     assert "| m | 1 | 10.00 ms | 4.00 + 6.20 ms | 10.20 ms | 1.02x |" in markdown
+
+
+def test_the_shared_cores_floor_is_set_beside_the_pipeline(result: BenchResult) -> None:
+    floors = [Floor("SmolLM2-135M-Instruct", [(0, 10), (10, 20), (20, 30)], 1,
+                    whole_ms=14.0, chain_ms=17.5, exact=True, load_rows=16, load_groups=2,
+                    whole_threads=2, whole_tok_s=160.0, chain_tok_s=144.0)]
+    markdown = report.render_markdown(dataclasses.replace(result, floors=floors), None)
+    section = markdown.split("## Sharing one box's cores", 1)[1].split("\n## ", 1)[0]
+    # The gguf pipeline's ITL p50 is 70 ms: 17.5 / 70 = 0.25 of the chain's speed.
+    assert ("| SmolLM2-135M-Instruct | single stream, ms a token (1 thread(s) a process) | "
+            "14.00 | 17.50 | 0.80x | 70.0 ms | 0.25x |") in section
+    assert ("| SmolLM2-135M-Instruct | 16 rows a step, tok/s (whole: 2 threads; chain: 2 "
+            "groups of 8) | 160.0 | 144.0 | 0.90x |  |  |") in section
+    assert "equal the whole model's on every model" in section
+    inexact = [dataclasses.replace(floors[0], exact=False)]
+    markdown = report.render_markdown(dataclasses.replace(result, floors=inexact), None)
+    assert "differ from the whole model's on SmolLM2-135M-Instruct" in markdown
+
+
+def test_the_stages_chained_by_pipes_compute_what_the_whole_model_does(
+        tiny_llama_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The floor measures the same computation as the whole model, and under load too."""
+    monkeypatch.setattr(shared_cores, "SINGLE_STEPS", 12)
+    monkeypatch.setattr(shared_cores, "LOAD_STEPS", 6)
+    monkeypatch.setattr(shared_cores, "BLOCK_STEPS", 5)
+    floor = shared_cores.measure(tiny_llama_gguf, "tiny", [(0, 2), (2, 4), (4, 6)],
+                                 stage_threads=1, load_rows=4, load_groups=2, whole_threads=1)
+    assert floor.exact
+    assert floor.whole_ms > 0 and floor.chain_ms > 0
+    assert floor.whole_tok_s is not None and floor.whole_tok_s > 0
+    assert floor.chain_tok_s is not None and floor.chain_tok_s > 0
 
 
 def test_the_seed_shape_is_held_to_llama_cpp_with_a_stages_threads(

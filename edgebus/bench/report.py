@@ -10,10 +10,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgebus.bench import roofline
+from edgebus.bench import roofline, shared_cores
 from edgebus.bench.metrics import LoadStats, StreamStats
 from edgebus.bench.peers import RpcRun, Skipped
 from edgebus.bench.results import BOXES_CONCURRENCY, BenchResult, PipelineRun
+from edgebus.bench.shared_cores import Floor
 
 # The broker a plant runs in production; the targets are stated over it.
 PRODUCTION_BROKER = "mosquitto"
@@ -182,6 +183,51 @@ def _stage_steps(result: BenchResult) -> str:
                      "sum / whole"], rows))
 
 
+def _shared_cores(result: BenchResult) -> str:
+    if not result.floors:
+        return ""
+    rows = []
+    for floor in result.floors:
+        pipeline = _pipeline_itl(result, floor)
+        rows.append([floor.model, f"single stream, ms a token ({floor.stage_threads} thread(s) "
+                     "a process)", f"{floor.whole_ms:.2f}", f"{floor.chain_ms:.2f}",
+                     times(floor.single_ratio), ms(pipeline),
+                     times(_ratio(floor.chain_ms / 1e3, pipeline))])
+        if floor.load_rows:
+            rows.append([floor.model, f"{floor.load_rows} rows a step, tok/s (whole: "
+                         f"{floor.whole_threads} threads; chain: {floor.load_groups} groups of "
+                         f"{floor.load_rows // floor.load_groups})", rate(floor.whole_tok_s),
+                         rate(floor.chain_tok_s), times(floor.load_ratio), "", ""])
+    inexact = [floor.model for floor in result.floors if not floor.exact]
+    exact = (f"**The chain's tokens differ from the whole model's on {', '.join(inexact)}: "
+             "these rows do not measure the same computation.**" if inexact else
+             "The chain's greedy tokens equal the whole model's on every model.")
+    return ("## Sharing one box's cores\n\n"
+            "Every agent of the bench's plants runs on this one box, where the stages take "
+            "turns on shared cores. What that alone costs, with no transport at all: the "
+            "plant's llama.cpp stages as bare processes (each its own stage GGUF, a stage's "
+            "threads) chained by OS pipes, beside the whole model in one process, alternating "
+            f"in blocks of {shared_cores.BLOCK_STEPS} steps so that both see the same minutes "
+            "of the machine (`edgebus/bench/shared_cores.py`). No broker, agent, coordinator or "
+            "frame. *chain / whole* is the most any transport reaches on this box; *pipeline / "
+            "chain* is what edgebus's transport costs on top (the pipeline's single-stream ITL "
+            "p50, from its own run above). Under load the two are not alike: the pipeline's "
+            "rate includes prompts and arrivals, the chain's is decode steps only, so that "
+            f"ratio is left out. {exact}\n\n"
+            + table(["model", "measure", "whole model, one process", "stages chained by pipes",
+                     "chain / whole", "edgebus pipeline", "pipeline / chain"], rows))
+
+
+def _pipeline_itl(result: BenchResult, floor: Floor) -> float | None:
+    """The edgebus pipeline's single-stream ITL p50 on the floor's model, in seconds."""
+    if floor.model == result.model:
+        run = reference_run(result, PEER_WEIGHTS)
+        return run.single.itl_p50_s if run else None
+    seed = result.seed_shape
+    runs = [r for r in seed.runs if r.weights == PEER_WEIGHTS] if seed else []
+    return runs[0].completion.itl_p50_s if runs else None
+
+
 def _llama_single(result: BenchResult, threads: int) -> StreamStats | None:
     """llama.cpp in one process with `threads` threads (llama-server, one slot)."""
     if result.peers is None:
@@ -271,7 +317,7 @@ def render_markdown(result: BenchResult, plot_name: str | None) -> str:
     sections = [
         _header(result), _machine(result), _workload(result), _targets(result),
         _baselines(result), _peers(result), _single(result), _concurrency(result),
-        _stage_steps(result),
+        _stage_steps(result), _shared_cores(result),
         _wire(result), _hops(result), _roofline(result), _memory(result), _boxes(result),
         _seed_shape(result), _STAGE_COMPUTE,
         _weight_modes(result.settings.out.parent / WEIGHT_MODES_DOC), _plot(plot_name),

@@ -11,6 +11,7 @@ from plant_config.schema import WeightMode
 
 if TYPE_CHECKING:
     from edgebus.bench.peers import PeerRuns, Skipped
+    from edgebus.bench.shared_cores import Floor
     from edgebus.bench.stage_steps import StageSteps
 
 BROKERS = ("amqtt", "mosquitto")
@@ -194,3 +195,6 @@ class BenchResult:
     seed_shape: SeedShape | None = None  # None with --quick or --no-seed-shape
     # llama.cpp stages' decode steps against the whole model's, per model and thread count.
     stage_steps: list[StageSteps] | None = None
+    # The llama.cpp stages chained by pipes against the whole model, per model: what sharing
+    # this box's cores costs a plant, with no transport at all.
+    floors: list[Floor] | None = None

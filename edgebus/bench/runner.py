@@ -26,7 +26,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from broker.mosquitto import MosquittoProcess, mosquitto_version
-from edgebus.bench import baseline, peers, roofline, stage_steps
+from edgebus.bench import baseline, peers, roofline, shared_cores, stage_steps
 from edgebus.bench.gateway import Gateway, Sniffer, broker_hop, closed_loop
 from edgebus.bench.metrics import (
     LoadStats,
@@ -54,7 +54,7 @@ from edgebus.bench.results import (
 )
 from edgebus.bench.workload import chat_request, long_prompt, long_request, request_id
 from edgebus.errors import EdgebusError
-from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
+from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses, shared_groups, shared_threads
 from edgebus.messages import GenerateRequest
 from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
 from edgebus.processes import LOOPBACK, free_port, idle_agent_rss
@@ -134,7 +134,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
     seed = settings.seed_shape and not settings.quick
     gguf_steps = "gguf" in settings.weights
     phases = (5 + len(runs) + (3 if settings.boxes else 0) + (1 if seed else 0)
-              + (1 if gguf_steps else 0))
+              + (2 if gguf_steps else 0))
     print(f"edgebus bench on {machine.cpu}: {phases} phases; plant files and agent logs in "
           f"{workdir}", flush=True)
     with tqdm(total=phases, unit="phase", file=sys.stdout) as bar:
@@ -173,15 +173,23 @@ def run_bench(settings: BenchSettings) -> BenchResult:
                     boxes.append(run_boxes(stages, cpus, model_dir, workdir, settings))
         layers = balanced_split(model_costs(model_dir)[0], PIPELINE_STAGES)
         steps: list[stage_steps.StageSteps] = []
+        floors: list[shared_cores.Floor] = []
         if gguf_steps:
             with _phase(bar, "llama.cpp stages against the whole model"):
                 steps += [stage_steps.measure(model_dir, DEMO_MODEL_NAME, layers, threads)
                           for threads in sorted({1, cores})]
+            with _phase(bar, "llama.cpp stages chained by pipes: what sharing cores costs"):
+                floors.append(shared_cores.measure(
+                    model_dir, DEMO_MODEL_NAME, layers,
+                    stage_threads=shared_threads(PIPELINE_STAGES),
+                    load_rows=max(settings.concurrency),
+                    load_groups=shared_groups(PIPELINE_STAGES), whole_threads=cores))
         seed_shape = None
         if seed:
             with _phase(bar, "the seed's model shape (DeepSeek-Coder-1.3B, random weights)"):
-                seed_shape, seed_steps = run_seed_shape(workdir, notes)
+                seed_shape, seed_steps, seed_floor = run_seed_shape(workdir, notes)
                 steps += seed_steps
+                floors += [seed_floor] if seed_floor is not None else []
 
     result = BenchResult(
         settings=settings, machine=machine, model=DEMO_MODEL_NAME,
@@ -191,7 +199,8 @@ def run_bench(settings: BenchSettings) -> BenchResult:
                                                layers),
         pipelines=pipelines, boxes=boxes, one_core=one_core,
         elapsed_s=time.monotonic() - started, notes=notes, bandwidth_gbs=bandwidth / 1e9,
-        peers=peer_runs, seed_shape=seed_shape, stage_steps=steps or None)
+        peers=peer_runs, seed_shape=seed_shape, stage_steps=steps or None,
+        floors=floors or None)
     text, plot = write_report(result)
     print(text)
     print(f"wrote {settings.out}" + (f" and {plot}" if plot is not None else
@@ -437,11 +446,11 @@ async def _measure_boxes(processes: PlantProcesses, settings: BenchSettings,
 
 
 def run_seed_shape(workdir: Path, notes: list[str]
-                   ) -> tuple[SeedShape, list[stage_steps.StageSteps]]:
+                   ) -> tuple[SeedShape, list[stage_steps.StageSteps], shared_cores.Floor | None]:
     """Each of SEED_VARIANTS as 3 stages over Mosquitto on a random-weight model of
     DeepSeek-Coder-1.3B's shape, and llama.cpp on GGUFs of the same shape: one
-    SEED_COMPLETION_TOKENS-token completion each; and its llama.cpp stages' decode steps
-    against the whole model's."""
+    SEED_COMPLETION_TOKENS-token completion each; its llama.cpp stages' decode steps
+    against the whole model's; and those stages chained by pipes, single stream."""
     model_dir = peers.make_seed_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = prompt_ids(tokenizer, _seed_request("ids"))
@@ -451,6 +460,7 @@ def run_seed_shape(workdir: Path, notes: list[str]
         gguf_dir = peers.seed_gguf_model(tools, model_dir, SEED_STAGE_GGUF)
     runs = []
     steps: list[stage_steps.StageSteps] = []
+    floor = None
     for engine, weights in SEED_VARIANTS:
         source = gguf_dir if weights == "gguf" else model_dir
         if source is None:
@@ -468,9 +478,9 @@ def run_seed_shape(workdir: Path, notes: list[str]
             steps = [stage_steps.measure(source, f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
                                          layers, threads)
                      for threads in sorted({1, len(os.sched_getaffinity(0))})]
+            floor = shared_cores.measure(source, f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
+                                         layers, stage_threads=shared_threads(PIPELINE_STAGES))
     cores = len(os.sched_getaffinity(0))
-    # What PlantProcesses gives each stage that sets no threads: its share of the cores.
-    stage_threads = max(1, cores // PIPELINE_STAGES)
 
     def llama_cpp(quant: str, threads: int) -> StreamStats | peers.Skipped:
         if isinstance(tools, peers.Skipped):
@@ -484,11 +494,12 @@ def run_seed_shape(workdir: Path, notes: list[str]
             return peers.Skipped(str(exc))
 
     llama = {quant: llama_cpp(quant, cores) for quant in SEED_GGUF_TYPES}
-    alike = llama_cpp(SEED_STAGE_GGUF, stage_threads) if stage_threads < cores else None
+    threads = shared_threads(PIPELINE_STAGES)
+    alike = llama_cpp(SEED_STAGE_GGUF, threads) if threads < cores else None
     return SeedShape(model=peers.SEED_MODEL_NAME, prompt_tokens=len(ids),
                      tokens=SEED_COMPLETION_TOKENS, runs=runs, llama_cpp=llama,
-                     stage_gguf=SEED_STAGE_GGUF, stage_threads=stage_threads,
-                     llama_cpp_stage_threads=alike), steps
+                     stage_gguf=SEED_STAGE_GGUF, stage_threads=threads,
+                     llama_cpp_stage_threads=alike), steps, floor
 
 
 def _seed_request(name: str, tokens: int = SEED_COMPLETION_TOKENS) -> GenerateRequest:
