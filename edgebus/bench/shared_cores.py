@@ -14,7 +14,8 @@ same phase, it runs the whole model in one process, measured the same way:
 - chain / whole: the most any transport reaches on this box, the *floor*;
 - pipeline / chain: what edgebus's transport costs on top of it.
 
-The whole model is a chain too, of one process, driven through the same pipes. Both
+The whole model is a chain too, of one process; it feeds its own tokens back for as many
+steps as it is asked, as llama.cpp in one process does, so no pipe sits between its steps. Both
 stay loaded, and the phase alternates between them in blocks of BLOCK_STEPS steps: on
 this box one process's step time drifts by 10-25 % from minute to minute (SmolLM2,
 1 thread: 14.1 to 18.6 ms), more than the difference measured. Both decode greedily
@@ -52,8 +53,10 @@ LOAD_STEPS = 32
 BLOCK_STEPS = 16
 # A call carries at most a prompt or a group's rows.
 BATCH_POSITIONS = 64
-# A pipe message's header: group, start position, positions per row, rows.
-_HEADER = np.dtype([("group", "<i4"), ("start", "<i4"), ("positions", "<i4"), ("rows", "<i4")])
+# A pipe message's header: group, start position, positions per row, rows, and the steps a
+# process holding the whole model runs on its own tokens (1 for a stage).
+_HEADER = np.dtype([("group", "<i4"), ("start", "<i4"), ("positions", "<i4"), ("rows", "<i4"),
+                    ("repeat", "<i4")])
 _STOP = b"stop"
 # How often a wait for a stage checks that every stage is still alive.
 POLL_S = 1.0
@@ -135,6 +138,7 @@ class _Chain:
         context = multiprocessing.get_context("spawn")  # no fork of a process using OpenMP
         pipes = [context.Pipe(duplex=False) for _ in range(len(layers) + 1)]
         self.per_group, self.groups = rows // groups, groups
+        self._inside = len(layers) == 1  # the whole model: it loops on its own tokens
         self.processes = [context.Process(target=_stage, args=(
             model, first, end, threads, self.per_group * groups, steps, pipes[i][0],
             pipes[i + 1][1])) for i, (first, end) in enumerate(layers)]
@@ -169,8 +173,9 @@ class _Chain:
         """`steps` rounds: every group one step further, all groups in flight at once."""
         done = dict.fromkeys(range(self.groups), 0)
         began = time.perf_counter()
+        repeat = steps if self._inside else 1
         for group, ids in self._tokens.items():
-            self._send.send_bytes(_message(group, self._position(), ids[:, None]))
+            self._send.send_bytes(_message(group, self._position(), ids[:, None], repeat))
         while min(done.values()) < steps:
             group, ids = self._next()
             self._tokens[group] = ids
@@ -181,7 +186,7 @@ class _Chain:
                 if self.steps_done + done[0] > WARMUP_STEPS:
                     self._times.append(now - began)
                 began = now
-            if done[group] < steps:
+            if done[group] < steps and not self._inside:
                 self._send.send_bytes(_message(group, self._position() + done[group], ids[:, None]))
         self.steps_done += steps
 
@@ -214,9 +219,10 @@ def _stage(model: Path, first: int, end: int, threads: int, rows: int, steps: in
     hidden = int(load_config(model).hidden_size)
     caches: dict[int, list[object]] = {}
     while (message := receive.recv_bytes()) != _STOP:
-        head = np.frombuffer(message, dtype=_HEADER, count=1)[0]
+        head = np.frombuffer(message, dtype=_HEADER, count=1).copy()[0]
         group, start = int(head["group"]), int(head["start"])
         count, positions = int(head["rows"]), int(head["positions"])
+        repeat = int(head["repeat"])
         body = message[_HEADER.itemsize:]
         if first == 0:
             xs = list(np.frombuffer(body, dtype=np.int64).reshape(count, 1, positions))
@@ -225,12 +231,15 @@ def _stage(model: Path, first: int, end: int, threads: int, rows: int, steps: in
                 count, 1, positions, hidden))
         if group not in caches:
             caches[group] = [engine.new_cache(0) for _ in range(count)]
-        outs = engine.run(xs, caches[group], [start] * count)
-        if engine.slice.has_head:
-            out = np.array([_argmax(o) for o in outs], dtype=np.int64)
-        else:
-            out = np.stack([o for o in outs if o is not None])  # [rows, 1, positions, H]
-        send.send_bytes(message[:_HEADER.itemsize] + np.ascontiguousarray(out).tobytes())
+        for step in range(repeat):
+            outs = engine.run(xs, caches[group], [start + step] * count)
+            if engine.slice.has_head:
+                out = np.array([_argmax(o) for o in outs], dtype=np.int64)
+                xs = list(out.reshape(count, 1, 1))
+            else:
+                out = np.stack([o for o in outs if o is not None])  # [rows, 1, positions, H]
+            head["start"] = start + step
+            send.send_bytes(head.tobytes() + np.ascontiguousarray(out).tobytes())
     send.send_bytes(_STOP)
     engine.close()
 
@@ -244,9 +253,9 @@ def _shape(model: Path, num_layers: int, sequences: int, steps: int) -> ContextS
                         batch_positions=max(BATCH_POSITIONS, sequences))
 
 
-def _message(group: int, start: int, ids: np.ndarray) -> bytes:
+def _message(group: int, start: int, ids: np.ndarray, repeat: int = 1) -> bytes:
     """Token ids [rows, positions] of one group, as the first stage reads them."""
-    head = np.array([(group, start, ids.shape[1], ids.shape[0])], dtype=_HEADER)
+    head = np.array([(group, start, ids.shape[1], ids.shape[0], repeat)], dtype=_HEADER)
     return head.tobytes() + np.ascontiguousarray(ids, dtype=np.int64).tobytes()
 
 
