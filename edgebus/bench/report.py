@@ -14,7 +14,6 @@ from edgebus.bench import roofline, shared_cores
 from edgebus.bench.metrics import LoadStats, StreamStats
 from edgebus.bench.peers import RpcRun, Skipped
 from edgebus.bench.results import BOXES_CONCURRENCY, BenchResult, PipelineRun
-from edgebus.bench.shared_cores import Floor
 
 # The broker a plant runs in production; the targets are stated over it.
 PRODUCTION_BROKER = "mosquitto"
@@ -218,7 +217,7 @@ def _shared_cores(result: BenchResult) -> str:
                      "chain / whole", "edgebus pipeline", "pipeline / chain"], rows))
 
 
-def _pipeline_itl(result: BenchResult, floor: Floor) -> float | None:
+def _pipeline_itl(result: BenchResult, floor: shared_cores.Floor) -> float | None:
     """The edgebus pipeline's single-stream ITL p50 on the floor's model, in seconds."""
     if floor.model == result.model:
         run = reference_run(result, PEER_WEIGHTS)

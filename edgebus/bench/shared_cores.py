@@ -9,14 +9,15 @@ llama.cpp in one process on the same cores. Two things separate them:
 
 This phase measures the second alone. It runs the plant's stages as bare processes:
 the llamacpp engine on each stage's own stage GGUF, with a stage's threads, chained by
-pipes. There is no broker, no agent, no coordinator and no frame. Beside it, in the
-same phase, it runs the whole model in one process, measured the same way:
+pipes. There is no broker, no agent and no frame; a driver (this process) stands where
+the coordinator stands, so a token makes the plant's 4 hops. Beside it, in the same
+phase, it runs the whole model in one process, measured the same way:
 - chain / whole: the most any transport reaches on this box, the *floor*;
 - pipeline / chain: what edgebus's transport costs on top of it.
 
-The whole model is a chain too, of one process; it feeds its own tokens back for as many
-steps as it is asked, as llama.cpp in one process does, so no pipe sits between its steps. Both
-stay loaded, and the phase alternates between them in blocks of BLOCK_STEPS steps: on
+The whole model is a chain too, of one process. It feeds its own tokens back for as
+many steps as it is asked, as llama.cpp in one process does: no pipe sits between its
+steps. Both stay loaded, and the phase alternates between them in blocks of BLOCK_STEPS steps: on
 this box one process's step time drifts by 10-25 % from minute to minute (SmolLM2,
 1 thread: 14.1 to 18.6 ms), more than the difference measured. Both decode greedily
 from the same prompt; the chain's tokens must equal the whole model's (`Floor.exact`),
