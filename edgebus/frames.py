@@ -8,10 +8,15 @@
     7      1     flags   bit 0: payload is LZ4-compressed; bit 1: prefill (prompt or
                  replay positions, any count) rather than one decode step; bit 2
                  (ERROR only): a replay can recover the request; bit 3 (ERROR
-                 only): ... once the stage has room again (it refused the frame)
+                 only): ... once the stage has room again (it refused the frame);
+                 bit 4 (TOKENS, HIDDEN): rollback, the positions from `start` on
+                 that a stage holds were drafts the coordinator rejected: drop
+                 them, then compute this one (node_agent/speculation.py)
     8      8     request sequence id (u64, assigned by the coordinator)
     16     4     route epoch (u32): frames of an abandoned route are recognisable
-    20     4     step (u32): 0 = prefill, n = n-th decode step
+    20     4     step (u32): the request's frame counter, growing with every decode
+                 frame the coordinator sends it: a stage takes a request's decode
+                 frames in step order and drops one whose step it has passed
     24     4     start: position of the first token in this frame
     28     4     count: token positions in this frame
     32     2     candidates the last stage should return (1 = greedy argmax,
@@ -116,6 +121,7 @@ FLAG_LZ4 = 0x01
 FLAG_PREFILL = 0x02
 FLAG_RETRY = 0x04
 FLAG_BUSY = 0x08
+FLAG_ROLLBACK = 0x10
 # A route names one node per stage in a byte; no plant has 256 stages or replicas.
 MAX_ROUTE = 255
 
@@ -158,6 +164,7 @@ class Frame:
     wire_bytes: int = 0
     retry: bool = False  # an ERROR that a replay of the request can recover from
     busy: bool = False  # ... once the stage has room again: a refusal for lack of it
+    rollback: bool = False  # drop the positions from `start` on first (rejected drafts)
 
     def array(self) -> np.ndarray:
         """The payload as a writable numpy array of its own (TOKENS int32, HIDDEN float16 or
@@ -207,12 +214,13 @@ class Header:
 
 
 def encode(kind: Kind, tensor: np.ndarray | torch.Tensor, header: Header, *, start: int,
-           candidates: int = 1, prefill: bool = False) -> bytes:
+           candidates: int = 1, prefill: bool = False, rollback: bool = False) -> bytes:
     """Frame one tensor, numpy or torch (TOKENS: [1, T] ints, HIDDEN: [1, T, H] floats)."""
     array, code = _wire_array(tensor, kind)
     count = array.shape[1] if array.ndim >= 2 else array.shape[0]
     return _pack(kind, code, memoryview(array.data).cast("B"), tuple(array.shape), header,
-                 start=start, count=count, candidates=candidates, prefill=prefill)
+                 start=start, count=count, candidates=candidates, prefill=prefill,
+                 flags=FLAG_ROLLBACK if rollback else 0)
 
 
 def encode_candidates(ids: np.ndarray, logits: np.ndarray, header: Header, *,
@@ -332,6 +340,10 @@ class Peek:
     @property
     def prefill(self) -> bool:
         return bool(self.flags & FLAG_PREFILL)
+
+    @property
+    def rollback(self) -> bool:
+        return bool(self.flags & FLAG_ROLLBACK) and self.kind in (Kind.TOKENS, Kind.HIDDEN)
 
     @property
     def wire_bytes(self) -> int:
@@ -497,4 +509,4 @@ def _finish(data: bytes, peek: Peek) -> Frame:
                  peek.count, peek.candidates, peek.shape, payload, peek.route,
                  bool(peek.flags & FLAG_PREFILL), peek.compressed, peek.wire_bytes,
                  bool(peek.flags & FLAG_RETRY) and peek.kind == Kind.ERROR,
-                 bool(peek.flags & FLAG_BUSY) and peek.kind == Kind.ERROR)
+                 bool(peek.flags & FLAG_BUSY) and peek.kind == Kind.ERROR, peek.rollback)

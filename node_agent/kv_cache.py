@@ -74,6 +74,16 @@ class KVCache:
         """Token positions cached so far (the same for every layer between steps)."""
         return max(self._held.values(), default=0)
 
+    def truncate(self, positions: int) -> None:
+        """Keep the first `positions`: the next update writes where the dropped ones were,
+        so a position computed again is computed over the same buffer as the first time."""
+        held = self.get_seq_length()
+        if positions >= held:
+            return
+        self.nbytes = self.nbytes * positions // held
+        for layer, filled in self._held.items():
+            self._held[layer] = min(filled, positions)
+
 
 def _grown(old: torch.Tensor | None, like: torch.Tensor, held: int, end: int) -> torch.Tensor:
     """A buffer shaped like `like` with room for `end` positions, holding old's first `held`."""

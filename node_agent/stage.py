@@ -174,6 +174,15 @@ class StageAgent:
         self.caches: dict[int, Cache] = {}
         # Requests whose caches were evicted lately (EVICTED_MEMORY), by `_work`'s steps.
         self._evicted: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Requests released lately (EVICTED_MEMORY): drafts of theirs may still be on
+        # their way from the stage before, and are dropped without a word.
+        self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # The last step computed for each request held: a decode frame of a step not past
+        # it is a duplicate, or a draft a rollback replaced (node_agent/speculation.py).
+        self._steps: dict[int, int] = {}
+        # The latest rollback frame received for each request held, (epoch, step, start),
+        # set as it arrives: drafts queued before it that it replaces are never computed.
+        self._rollbacks: dict[int, tuple[int, int, int]] = {}
         config = self.model.config
         self.limits = frames.stage_limits(
             prefill_chunk=plant.coordinator.prefill_chunk, hidden=config.hidden_size,
@@ -189,7 +198,8 @@ class StageAgent:
         # Counters; the event loop and the worker thread each have keys of their own.
         self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "mixed_steps": 0.0,
                         "skipped_frames": 0.0, "evicted": 0.0, "lost_frames": 0.0,
-                        "bad_frames": 0.0, "refused_frames": 0.0, "unreadable_frames": 0.0}
+                        "bad_frames": 0.0, "refused_frames": 0.0, "unreadable_frames": 0.0,
+                        "rollbacks": 0.0, "cancelled_frames": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(node_id), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
@@ -250,6 +260,9 @@ class StageAgent:
                                  f"{reason}; the coordinator replays their requests")
             return
         self.waiting += need
+        for peek in peeks:
+            if peek.rollback and peek.request in self.caches:
+                self._rollbacks[peek.request] = (peek.epoch, peek.step, peek.start)
         if len(payload) < DECODE_INLINE_BYTES and not any(p.compressed for p in peeks):
             try:
                 decoded: list[Frame] | asyncio.Future[list[Frame]] = frames.decode_scanned(
@@ -380,6 +393,9 @@ class StageAgent:
             try:
                 if any(frame.request == row[0].request for row in rows):
                     raise _Skip("second frame for this request in one batch: duplicate")
+                if self._superseded(frame):
+                    self.metrics["cancelled_frames"] += 1
+                    continue
                 # The route first: a frame that is not this node's must not make a cache.
                 topic = self._next_topic(frame)
                 rows.append((frame, self._check_input(frame), self._cache_for(frame), topic))
@@ -429,7 +445,15 @@ class StageAgent:
             self.metrics["mixed_steps"] += 1  # a prompt chunk shared a decode batch's pass
         for (frame, _, cache, topic), output in zip(rows, outputs, strict=True):
             cache.touched = now
+            self._steps[frame.request] = frame.step
             out[topic].append(self._encode(frame, output))
+
+    def _superseded(self, frame: Frame) -> bool:
+        """Whether a rollback that has already arrived replaces this draft: early
+        cancellation, so that a rejected draft costs no compute at this stage."""
+        rollback = self._rollbacks.get(frame.request)
+        return (rollback is not None and not frame.prefill and frame.epoch == rollback[0]
+                and frame.step < rollback[1] and frame.start >= rollback[2])
 
     def _cache_for(self, frame: Frame) -> Cache:
         cache = self.caches.get(frame.request)
@@ -443,17 +467,26 @@ class StageAgent:
             self._make_room(frame)
             if cache is not None:  # a replay replaces the older route's cache
                 self._drop(frame.request)
+            self._steps.pop(frame.request, None)
             try:
                 cache = self.caches[frame.request] = self.model.new_cache(frame.epoch)
             except CacheFull as exc:
                 raise _Refused(f"node {self.node_id}: {exc}: retry later, or raise "
                                "kv_budget_mb in the plant file") from exc
             return cache
+        if cache is None and frame.request in self._released and not frame.prefill:
+            raise _Skip("its request was released: a draft still on its way")
         if cache is None or cache.epoch != frame.epoch:
             raise _Lost("unknown request (its prefill never arrived here, or it was released "
                         "or evicted)")
         held = cache.get_seq_length()
-        if frame.start < held:
+        if not frame.prefill and frame.step <= self._steps.get(frame.request, -1):
+            raise _Skip(f"step {frame.step} already passed: a duplicate, or a draft that a "
+                        "rollback replaced")
+        if frame.start < held and frame.rollback and not frame.prefill:
+            self.model.truncate(cache, frame.start)
+            self.metrics["rollbacks"] += 1
+        elif frame.start < held:
             raise _Skip(f"position {frame.start} already computed: duplicate")
         if frame.start > held:
             raise _Lost(f"frame starts at position {frame.start} but the cache holds "
@@ -485,6 +518,7 @@ class StageAgent:
         cache = self.caches.get(frame.request)
         if cache is not None and cache.epoch <= frame.epoch:  # never a newer route's cache
             self._drop(frame.request)
+            _remember(self._released, frame.request)
 
     def _sweep(self) -> None:
         """Evict caches of requests abandoned without a release (their coordinator died)."""
@@ -500,6 +534,8 @@ class StageAgent:
 
     def _drop(self, request: int) -> int:
         """Let go of a request's cache, if held here; return the bytes freed."""
+        self._steps.pop(request, None)
+        self._rollbacks.pop(request, None)
         cache = self.caches.pop(request, None)
         if cache is None:
             return 0
@@ -510,9 +546,7 @@ class StageAgent:
         """Drop a cache its request is not using; return the bytes freed."""
         freed = self._drop(request)
         self.metrics["evicted"] += 1
-        self._evicted[request] = None
-        while len(self._evicted) > EVICTED_MEMORY:
-            self._evicted.popitem(last=False)
+        _remember(self._evicted, request)
         return freed
 
     def _next_topic(self, frame: Frame) -> str:
@@ -536,7 +570,7 @@ class StageAgent:
         if not self.model.slice.has_head:
             return frames.encode(Kind.HIDDEN, out.astype(self.wire_dtype, copy=False), header,
                                  start=frame.start, candidates=frame.candidates,
-                                 prefill=frame.prefill)
+                                 prefill=frame.prefill, rollback=frame.rollback)
         ids, logits = top_candidates(out, frame.candidates)
         return frames.encode_candidates(ids, logits, header, start=frame.start)
 
@@ -571,6 +605,13 @@ class StageAgent:
         if not np.isfinite(x).all():
             raise FrameError("hidden states hold NaN or Inf")
         return x
+
+
+def _remember(memory: collections.OrderedDict[int, None], request: int) -> None:
+    """Add `request` to a memory of recent requests of at most EVICTED_MEMORY."""
+    memory[request] = None
+    while len(memory) > EVICTED_MEMORY:
+        memory.popitem(last=False)
 
 
 def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:

@@ -168,6 +168,15 @@ class StageEngine(ABC):
 
         return KVCache(epoch)
 
+    def truncate(self, cache: Any, positions: int) -> None:
+        """Keep the first `positions` of a request's cache: the drafts after them were
+        rejected (node_agent/speculation.py)."""
+        from node_agent.kv_cache import KVCache
+
+        if not isinstance(cache, KVCache):
+            raise EngineError(f"the {self.name} engine cannot roll back a {type(cache).__name__}")
+        cache.truncate(positions)
+
     def free_cache(self, cache: Cache) -> None:  # noqa: B027 (a KVCache needs nothing)
         """The request of `cache` is over: give back what the engine holds for it. A
         KVCache is plain memory, freed when the agent lets go of it."""

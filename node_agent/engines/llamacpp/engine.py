@@ -98,6 +98,10 @@ class SeqCache:
         self.held += positions
         self.nbytes = self.held * self._per_position
 
+    def cut(self, positions: int) -> None:
+        self.held = min(self.held, positions)
+        self.nbytes = self.held * self._per_position
+
 
 class LlamaCppEngine(StageEngine):
     """Layers [first, end) of `model` (a GGUF file, or a directory with one), run by
@@ -205,6 +209,16 @@ class LlamaCppEngine(StageEngine):
         del self._held[cache.seq_id]
         self._free.append(cache.seq_id)
         self._free.sort(reverse=True)
+
+    def truncate(self, cache: Any, positions: int) -> None:
+        """Drop a sequence's positions from `positions` on. llama.cpp frees their cells and
+        moves the sequence's slot search back to the first of them (llama-kv-cache.cpp,
+        seq_rm), so a position computed again lands in the cell it had: the keys sit in
+        the same order, and the attention sums them as it did the first time."""
+        assert isinstance(cache, SeqCache)
+        if positions < cache.held:
+            self._llama.llama_memory_seq_rm(self._memory, cache.seq_id, positions, -1)
+            cache.cut(positions)
 
     def _contiguous(self, seqs: list[SeqCache]) -> None:
         """Give `seqs` consecutive sequence ids, moving as few sequences as it takes.
