@@ -123,6 +123,19 @@ class Timings(BaseModel):
 FinishReason = Literal["stop", "length", "error"]
 
 
+class SpeculationUsage(BaseModel):
+    """What drafting did for one request (node_agent/speculation.py)."""
+
+    proposed: int  # drafts sent
+    accepted: int  # drafts that were the next token
+    rejected: int  # drafts thrown away: rolled back, or never reached
+    runs: int  # tokens sent as fresh frames while drafting; each started a run of drafts
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
 class GenerateResponse(BaseModel):
     id: str
     text: str = ""
@@ -131,6 +144,8 @@ class GenerateResponse(BaseModel):
     usage: Usage = Usage(prompt_tokens=0, completion_tokens=0)
     timings: Timings = Timings(ttft_ms=None, total_ms=0.0)
     error: ErrorInfo | None = None
+    # Set where the plant drafts (coordinator.speculation.drafts > 0).
+    speculation: SpeculationUsage | None = None
 
 
 class StreamDelta(BaseModel):

@@ -65,6 +65,7 @@ from edgebus.messages import (
     ErrorInfo,
     GenerateRequest,
     GenerateResponse,
+    SpeculationUsage,
     StreamDelta,
     Timings,
     Usage,
@@ -79,6 +80,7 @@ from node_agent.model_config import generation_eos, load_config
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, publish_plan, run_agent, serve_until, sparkplug_node
 from node_agent.sampling import candidates_wanted, sample_token
+from node_agent.speculation import Draft, Drafts
 from node_agent.text import TextStream, decode, load_tokenizer, prompt_ids
 from plant_config import Plant
 from plant_config.schema import resolve_engine
@@ -173,7 +175,8 @@ class Generation:
     max_len: int  # positions it may reach: what its KV reservation is for
     prompt_len: int  # positions of `history` that are the prompt
     seq: int = field(default_factory=lambda: secrets.randbits(63))
-    step: int = 0
+    step: int = 0  # of the frame whose result is awaited
+    steps: int = 0  # steps taken: every frame sent gets a new one (see frames.py)
     epoch: int = 0
     route: tuple[int, ...] = ()  # replica index per stage; () before the first routing
     nodes: list[str] = field(default_factory=list)  # the route's node ids
@@ -186,9 +189,18 @@ class Generation:
     # By the gateway: ends before the next step. Not mid-step: frames of the step
     # would still be on their way to stages that have already freed the request.
     cancelled: bool = False
+    drafts: Drafts | None = None  # where the plant drafts (node_agent/speculation.py)
 
-    def header(self) -> Header:
-        return Header(self.seq, self.epoch, self.step, self.route)
+    def header(self, step: int | None = None) -> Header:
+        return Header(self.seq, self.epoch, self.step if step is None else step, self.route)
+
+    def new_step(self) -> int:
+        self.steps += 1
+        return self.steps - 1
+
+    @property
+    def generated(self) -> int:
+        return len(self.history) - self.prompt_len
 
 
 @dataclass
@@ -315,7 +327,9 @@ class Coordinator:
         self._resume = self.journal.open()  # what a previous run left unanswered
         self._peers: dict[str, Peer] = {}
         self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0,
-                         "recoveries": 0.0, "resumed": 0.0, "drained": 0.0, "cancelled": 0.0}
+                         "recoveries": 0.0, "resumed": 0.0, "drained": 0.0, "cancelled": 0.0,
+                         "drafts_proposed": 0.0, "drafts_accepted": 0.0,
+                         "drafts_rejected": 0.0, "draft_runs": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(self.spec.id), f"{plant.plant_id}.{self.agent_id}",
             # Cancels are not shared: every coordinator hears them, the one serving acts.
@@ -426,21 +440,31 @@ class Coordinator:
     def _dispatch(self, results: list[Frame]) -> None:
         for frame in results:
             gen = self._active.get(frame.request)
-            # Unknown or stale results (a request that ended, an old route, a
-            # duplicate) are dropped.
-            if (gen is None or frame.epoch != gen.epoch or frame.step != gen.step
-                    or gen.result is None or gen.result.done()):
+            if gen is None or frame.epoch != gen.epoch:
+                continue  # a request that ended, or an old route
+            drafts = gen.drafts
+            if (drafts is not None and frame.step != gen.step
+                    and any(d.step == frame.step for d in drafts.ahead)):
+                # A draft's result, back before its token was sampled: kept for then.
+                drafts.arrived[frame.step] = frame
                 continue
-            if frame.kind == Kind.CANDIDATES:
-                if len(frame.shape) != 2 or frame.shape[0] != 1 or frame.shape[1] < 1:
-                    self.reporter.report("error", f"dropped a result of shape {frame.shape} "
-                                         f"for request {gen.request.id}: not [1, k]")
-                    continue
-                gen.result.set_result(frame)
-            elif frame.kind == Kind.ERROR and frame.retry:
-                gen.result.set_exception(_Recover(frame.text(), busy=frame.busy))
-            elif frame.kind == Kind.ERROR:
-                gen.result.set_exception(RequestError("stage_error", frame.text()))
+            # Stale results (a rejected draft, a duplicate) are dropped.
+            if frame.step != gen.step or gen.result is None or gen.result.done():
+                continue
+            self._resolve(gen, gen.result, frame)
+
+    def _resolve(self, gen: Generation, result: asyncio.Future[Frame], frame: Frame) -> None:
+        """Hand the result `frame` of `gen`'s awaited step to its task."""
+        if frame.kind == Kind.CANDIDATES:
+            if len(frame.shape) != 2 or frame.shape[0] != 1 or frame.shape[1] < 1:
+                self.reporter.report("error", f"dropped a result of shape {frame.shape} "
+                                     f"for request {gen.request.id}: not [1, k]")
+                return
+            result.set_result(frame)
+        elif frame.kind == Kind.ERROR and frame.retry:
+            result.set_exception(_Recover(frame.text(), busy=frame.busy))
+        elif frame.kind == Kind.ERROR:
+            result.set_exception(RequestError("stage_error", frame.text()))
 
     # -- liveness ------------------------------------------------------------------
 
@@ -764,6 +788,8 @@ class Coordinator:
                                f"1..{spec.max_prompt_tokens}")
         gen = Generation(request, reply, history=list(ids), max_len=len(ids) + request.max_tokens,
                          prompt_len=len(ids))
+        if spec.speculation.drafts:
+            gen.drafts = Drafts(spec.speculation)
         self._check_fits(gen)
         self._active[gen.seq] = gen  # no await since the checks: the admission count holds
         self._by_key[key] = gen
@@ -796,7 +822,6 @@ class Coordinator:
                 if len(tokens) >= request.max_tokens:
                     break
                 gen.history.append(token)
-                gen.step += 1
         finally:
             del self._active[gen.seq]
             self._by_key.pop(key, None)
@@ -806,6 +831,7 @@ class Coordinator:
             self._unroute(gen)
             self.counters["tokens"] += len(tokens)
             self.counters["requests_done"] += 1
+            usage = self._drafting_done(gen)
         if text is not None:
             rest = text.flush()
             if rest and request.stream:
@@ -817,7 +843,22 @@ class Coordinator:
         return GenerateResponse(
             id=request.id, text=out_text, tokens=tokens, finish_reason=finish,  # type: ignore[arg-type]
             usage=Usage(prompt_tokens=len(ids), completion_tokens=len(tokens)),
-            timings=Timings(ttft_ms=None if ttft is None else ttft * 1e3, total_ms=total * 1e3))
+            timings=Timings(ttft_ms=None if ttft is None else ttft * 1e3, total_ms=total * 1e3),
+            speculation=usage)
+
+    def _drafting_done(self, gen: Generation) -> SpeculationUsage | None:
+        """Count what drafting did for a request that ended; drafts still in flight were
+        never reached, and count as rejected."""
+        drafts = gen.drafts
+        if drafts is None:
+            return None
+        drafts.forget()
+        usage = SpeculationUsage(proposed=drafts.proposed, accepted=drafts.accepted,
+                                 rejected=drafts.rejected, runs=drafts.runs)
+        for name in ("proposed", "accepted", "rejected"):
+            self.counters[f"drafts_{name}"] += getattr(usage, name)
+        self.counters["draft_runs"] += usage.runs
+        return usage
 
     def _check_admission(self, client: str) -> None:
         """Refuse a request past max_in_flight, or past its gateway's share of it."""
@@ -842,13 +883,15 @@ class Coordinator:
         timeout = self.spec.request_timeout_s
         while True:
             if gen.cancelled:
-                raise RequestError("cancelled", f"cancelled by the gateway after {gen.step} "
-                                   "tokens")
+                raise RequestError("cancelled", f"cancelled by the gateway after "
+                                   f"{gen.generated} tokens")
             if gen.lost is not None or not gen.route:
                 await self._route(gen)
-            gen.result = asyncio.get_running_loop().create_future()
+            gen.result = result = asyncio.get_running_loop().create_future()
             positions = len(gen.history) - gen.synced
             self._feed(gen, candidates)
+            if gen.drafts is not None and (early := gen.drafts.arrived.pop(gen.step, None)):
+                self._resolve(gen, result, early)
             sent = time.monotonic()
             stall = self._pace.stall_after(positions) or timeout * COLD_STALL_SHARE
             # Each replay for a stall doubles the next wait: a pipeline that is
@@ -897,12 +940,21 @@ class Coordinator:
         gen.lost = why
 
     def _feed(self, gen: Generation, candidates: int) -> None:
-        header, first = gen.header(), self.pipeline[0].nodes[gen.route[0]].node
+        first = self.pipeline[0].nodes[gen.route[0]].node
         todo, start = gen.history[gen.synced:], gen.synced
         if gen.synced and len(todo) == 1:  # a decode step
+            if gen.drafts is not None and (gen.drafts.ahead or self._may_draft()):
+                self._feed_drafting(gen, gen.drafts, first, candidates)
+                return
+            gen.step = gen.new_step()
             self._outbox.step(gen.seq, first, frames.encode(
-                Kind.TOKENS, np.array([todo]), header, start=start, candidates=candidates))
+                Kind.TOKENS, np.array([todo]), gen.header(), start=start,
+                candidates=candidates))
             return
+        gen.step = gen.new_step()
+        header = gen.header()
+        if gen.drafts is not None:
+            gen.drafts.forget()  # a replay: they went down the old route
         offset = 0
         for size in self._feed_sizes(gen, start, len(todo)):
             last = offset + size == len(todo)
@@ -911,6 +963,44 @@ class Coordinator:
                                                    candidates=candidates if last else 0,
                                                    prefill=True))
             offset += size
+
+    def _may_draft(self) -> bool:
+        """Whether drafts would fill idle stages: few enough requests are in flight."""
+        return len(self._active) <= self.spec.speculation.max_in_flight
+
+    def _feed_drafting(self, gen: Generation, drafts: Drafts, first: str,
+                       candidates: int) -> None:
+        """The decode step of a request that drafts: its token, unless a draft already
+        carries it, then new drafts to keep `drafts.window` in flight.
+
+        Each frame leaves as a message of its own, at once, outside the groups: a stage
+        computes a message's rows as one batch, and the drafts must follow their
+        token one position at a time, in order (node_agent/speculation.py).
+        """
+        token, position = gen.history[-1], len(gen.history) - 1
+        rolling_back = drafts.rolling_back
+        carried = drafts.settle(token)
+        if carried is not None:
+            gen.step = carried
+        else:
+            self._outbox.leave(gen.seq)  # its frames now leave in order, outside a group
+            gen.step = gen.new_step()
+            drafts.runs += 1
+            self._publish_frames(first, frames.encode(
+                Kind.TOKENS, np.array([[token]]), gen.header(), start=position,
+                candidates=candidates, rollback=rolling_back))
+        if not self._may_draft():
+            return
+        text = [*gen.history, *(d.token for d in drafts.ahead)]
+        # The last position a frame of this request may need: its KV reservation's end.
+        room = gen.max_len - 1 - len(text)
+        for token in drafts.propose(text, room):
+            step = gen.new_step()
+            drafts.ahead.append(Draft(step, token))
+            self._publish_frames(first, frames.encode(
+                Kind.TOKENS, np.array([[token]]), gen.header(step), start=len(text),
+                candidates=candidates))
+            text.append(token)
 
     def _feed_sizes(self, gen: Generation, start: int, positions: int) -> list[int]:
         """Positions of each prefill frame for `positions` of `gen.history` from `start`.

@@ -360,6 +360,29 @@ class Security(_Section):
         return names
 
 
+class Speculation(_Section):
+    """Drafts sent down the pipeline ahead of a lone request's token
+    (node_agent/speculation.py): exact, they fill stages that would idle."""
+
+    # Drafts a request keeps in flight ahead of its token; 0 turns speculation off. A
+    # plant of S stages has S - 1 stages idle with one request: S - 1 drafts fill them.
+    drafts: int = Field(default=0, ge=0, le=16)
+    # Speculate only while at most this many requests are in flight: with more, the
+    # coordinator's groups already keep every stage busy, and drafts would take turns
+    # from other requests' tokens.
+    max_in_flight: PositiveInt = 1
+    # Lengths of the n-grams looked up in the request's text, longest first: one token
+    # matches too often to be a quote, past 4 a match is rarely missed by a shorter one.
+    min_ngram: PositiveInt = 2
+    max_ngram: PositiveInt = 4
+
+    @model_validator(mode="after")
+    def _ngrams_in_order(self) -> Speculation:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram {self.min_ngram} exceeds max_ngram {self.max_ngram}")
+        return self
+
+
 class CoordinatorSpec(_Section):
     """The agent that admits requests and drives the token loop."""
 
@@ -383,6 +406,7 @@ class CoordinatorSpec(_Section):
     # With any listed, every coordinator takes requests from one MQTT 5 shared
     # subscription; docs/failover.md says what that keeps and what it cannot.
     instances: list[str] = []
+    speculation: Speculation = Field(default_factory=Speculation)
 
     @field_validator("id")
     @classmethod
