@@ -1,0 +1,331 @@
+"""Pipelined speculation: drafts ride ahead of a lone request's token and change nothing.
+
+The bar (node_agent/speculation.py): with drafts on, a llama.cpp plant answers
+greedy requests token for token as llama.cpp whole does, through 1, 2 and 3
+stages, on every repeat; seeded sampled requests give the same tokens as with
+drafts off; and no rolled-back or cancelled position stays in any stage's KV.
+The requests quote their prompt, so drafts are taken (the speedup) and some
+are rejected (the rollback); each test asserts that both happened, so it cannot
+pass on a plant that never drafted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from pathlib import Path
+from signal import SIGKILL
+
+import aiomqtt
+import numpy as np
+import pytest
+from brokers import BrokerHandle, MosquittoBroker
+from pipeline import ask_all, plant_for, plant_reference, running
+from plant_gateway import assert_exact, gateway, mid_generation, send
+from test_pipeline import SMOLLM2_SPLITS
+
+from edgebus import frames
+from edgebus.ask import ask
+from edgebus.frames import Frame, Header, Kind
+from edgebus.launcher import PlantProcesses
+from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
+from node_agent.engines import ContextShape, load_engine
+from node_agent.speculation import JUDGE_DRAFTS, PAUSE_TOKENS, Drafts
+from node_agent.stage import StageAgent
+from plant_config import (
+    BrokerSettings,
+    CoordinatorSpec,
+    Liveness,
+    Plant,
+    StageSpec,
+    make_plant,
+    write_plant,
+)
+from plant_config.schema import Speculation
+
+SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
+LIMITS = {"max_prompt_tokens": 256, "max_tokens_limit": 64}
+KV_BUDGET_MB = 64
+DRAFTS = Speculation(drafts=3)
+ALARM = ("ALARM 4711 press line 2: hydraulic oil temperature 71 C above limit 65 C, "
+         "pump P2 stopped at 14:02, operator acknowledged at 14:05.")
+CODE = "def total(items):\n    s = 0\n    for x in items:\n        s = s + x\n    return s\n"
+
+
+def quoting() -> list[GenerateRequest]:
+    """Requests whose answers quote their prompts: an alarm to repeat, code to edit."""
+    ask_ = [f"Repeat this alarm text word for word: {ALARM}",
+            f"Rename the variable s to acc in this code and show all of it:\n{CODE}",
+            f"Summarise this alarm, quoting its numbers: {ALARM}"]
+    return [GenerateRequest(id=f"quote-{i}", max_tokens=48,
+                            messages=[ChatMessage(role="user", content=text)])
+            for i, text in enumerate(ask_)]
+
+
+def _drafted(responses: list[GenerateResponse]) -> tuple[int, int]:
+    """Drafts accepted and rejected over the answers."""
+    usage = [r.speculation for r in responses]
+    assert all(u is not None for u in usage)
+    return (sum(u.accepted for u in usage if u is not None),
+            sum(u.rejected for u in usage if u is not None))
+
+
+# -- prompt lookup ----------------------------------------------------------------
+
+
+def test_drafts_are_what_followed_the_last_tokens_earlier_in_the_text() -> None:
+    drafts = Drafts(Speculation(drafts=3, min_ngram=2, max_ngram=3))
+    text = [7, 1, 2, 3, 4, 5, 9, 8, 1, 2, 3]
+    assert drafts.propose(text, room=10) == [4, 5, 9]  # after the 3-gram 1 2 3
+    assert drafts.proposed == 3
+    # No room left in the request's KV reservation: no draft.
+    assert Drafts(Speculation(drafts=3)).propose(text, room=0) == []
+    # The last tokens never came before: nothing to quote.
+    assert Drafts(Speculation(drafts=3)).propose([1, 2, 3, 4, 5, 6], room=10) == []
+
+
+def test_the_window_grows_with_taken_drafts_and_halves_with_a_miss() -> None:
+    drafts = Drafts(Speculation(drafts=4))
+    drafts.window = 2
+    drafts.ahead = [_draft(10, 5), _draft(11, 6)]
+    assert drafts.settle(5) == 10  # taken: its frame is already on its way
+    assert drafts.window == 3
+    assert drafts.settle(7) is None  # missed: the rest is rolled back
+    assert (drafts.window, drafts.ahead, drafts.accepted, drafts.rejected) == (1, [], 1, 1)
+
+
+def test_drafting_pauses_where_drafts_keep_missing() -> None:
+    drafts = Drafts(Speculation(drafts=2))
+    text = [1, 2, 3, 1, 2]
+    for _ in range(JUDGE_DRAFTS):
+        assert drafts.propose(text, room=100)
+        drafts.ahead = [_draft(0, 3)]
+        drafts.settle(99)
+    assert drafts.propose(text, room=100) == []
+    longer = text + [1, 2] * (PAUSE_TOKENS // 2)
+    assert drafts.propose(longer, room=100)  # probes again once the text has moved on
+
+
+def _draft(step: int, token: int):  # type: ignore[no-untyped-def]
+    from node_agent.speculation import Draft
+
+    return Draft(step, token)
+
+
+# -- rollback in the engine ------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [(0, 10), (0, 30)], ids=["first-stage", "whole"])
+def test_a_rolled_back_position_is_computed_bitwise_as_the_first_time(
+        smollm2_dir: Path, layers: tuple[int, int]) -> None:
+    """Positions computed, dropped and computed again with other tokens give what a
+    sequence fed those tokens from the start gives, bit for bit."""
+    shape = ContextShape(kv_budget_bytes=16 * 2**20, positions=256, batch_positions=64)
+    engine = load_engine(smollm2_dir, *layers, engine="llamacpp", weights="gguf", shape=shape)
+    try:
+        prompt = np.array([[1, 504, 3570, 314, 253, 1789, 28, 504]])
+        drafted, kept = [700, 701, 702], [700, 42, 43]
+        rolled, straight = engine.new_cache(0), engine.new_cache(0)
+        for cache in (rolled, straight):
+            engine.run([prompt], [cache], [0])
+        start = prompt.shape[1]
+        for i, token in enumerate(drafted):
+            engine.run([np.array([[token]])], [rolled], [start + i])
+        engine.truncate(rolled, start + 1)
+        assert rolled.get_seq_length() == start + 1
+        # llama.cpp itself holds nothing past the kept positions.
+        lowlevel = engine._llama  # type: ignore[attr-defined]
+        assert lowlevel.llama_memory_seq_pos_max(engine._memory, rolled.seq_id) == start
+        assert rolled.nbytes == (start + 1) * engine.kv_bytes_per_token()
+        again = [engine.run([np.array([[t]])], [rolled], [start + i])[0]
+                 for i, t in enumerate(kept) if i >= 1]
+        engine.run([np.array([[kept[0]]])], [straight], [start])
+        fresh = [engine.run([np.array([[t]])], [straight], [start + i])[0]
+                 for i, t in enumerate(kept) if i >= 1]
+        for a, b in zip(again, fresh, strict=True):
+            assert a is not None and b is not None
+            assert np.array_equal(a, b)
+        engine.free_cache(rolled)
+        engine.free_cache(straight)
+    finally:
+        engine.close()
+
+
+# -- the stage's side: rollback and early cancellation ---------------------------
+
+
+def _stage_plant(model: Path) -> Plant:
+    return Plant(plant_id="spec", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
+                 broker=BrokerSettings(url="mqtt://127.0.0.1:1"), model=model,
+                 stages=[StageSpec(node="stage-0", layers=(0, 3), weights="gguf",
+                                   kv_budget_mb=8),
+                         StageSpec(node="stage-1", layers=(3, 6), weights="gguf",
+                                   kv_budget_mb=8)],
+                 coordinator=CoordinatorSpec(max_prompt_tokens=64, max_tokens_limit=16))
+
+
+def _tokens(request: int, step: int, start: int, ids: list[int], *, prefill: bool = False,
+            rollback: bool = False) -> bytes:
+    return frames.encode(Kind.TOKENS, np.array([ids]), Header(request, 1, step, (0, 0)),
+                         start=start, prefill=prefill, rollback=rollback)
+
+
+def _message(plant: Plant, payload: bytes) -> aiomqtt.Message:
+    return aiomqtt.Message(plant.topics.activations("stage-0"), payload, 1, False, 1, None)
+
+
+async def _run_inbox(agent: StageAgent) -> list[Frame]:
+    """Compute every message waiting in the stage's inbox, in order; return its outputs."""
+    out: list[Frame] = []
+    while not agent.inbox.empty():
+        batch = await agent._open(agent.inbox.get_nowait())
+        sent, errors = agent._forward(batch)
+        agent._done(batch)
+        assert not errors, errors
+        for message in sent.values():
+            out += frames.decode_all(message, frames.SINGLE_FRAME)
+    return out
+
+
+async def test_a_stage_drops_rejected_drafts_and_never_computes_superseded_ones(
+        tiny_llama_gguf: Path) -> None:
+    plant = _stage_plant(tiny_llama_gguf)
+    agent = StageAgent(plant, "stage-0")
+    try:
+        prompt = [5, 6, 7, 8]
+        # Request 1: two drafts computed, then rejected: the rollback truncates.
+        # Request 2: two drafts still queued when the rollback comes: never computed.
+        for request in (1, 2):
+            agent._on_message(_message(plant, _tokens(request, 0, 0, prompt, prefill=True)))
+            agent._on_message(_message(plant, _tokens(request, 1, 4, [9])))
+        await _run_inbox(agent)
+        for request in (1, 2):
+            for step, token in ((2, 20), (3, 21)):
+                agent._on_message(_message(plant, _tokens(request, step, 4 + step - 1, [token])))
+            if request == 1:
+                drafts = await _run_inbox(agent)
+                assert [f.start for f in drafts] == [5, 6]
+            agent._on_message(_message(plant, _tokens(request, 4, 5, [30], rollback=True)))
+        outputs = await _run_inbox(agent)
+        assert [(f.request, f.start, f.rollback) for f in outputs] == [(1, 5, True),
+                                                                       (2, 5, True)]
+        assert agent.metrics["rollbacks"] == 1
+        assert agent.metrics["cancelled_frames"] == 2
+        assert agent.caches[1].get_seq_length() == agent.caches[2].get_seq_length() == 6
+        # What a request fed 5 6 7 8 9 30 from the start computes at position 5.
+        agent._on_message(_message(plant, _tokens(3, 0, 0, prompt, prefill=True)))
+        agent._on_message(_message(plant, _tokens(3, 1, 4, [9])))
+        agent._on_message(_message(plant, _tokens(3, 2, 5, [30])))
+        straight = (await _run_inbox(agent))[-1]
+        for rolled in outputs:
+            assert np.array_equal(rolled.array(), straight.array())
+        # A duplicate of a draft a rollback replaced is not computed either.
+        agent._on_message(_message(plant, _tokens(1, 3, 6, [21])))
+        assert await _run_inbox(agent) == []
+    finally:
+        agent.model.close()
+
+
+# -- plants ------------------------------------------------------------------------
+
+
+def _plant(model: Path, broker: BrokerHandle, split: list[tuple[int, int]],
+           speculation: Speculation) -> Plant:
+    return plant_for(model, broker, split, weights="gguf", kv_budget_mb=KV_BUDGET_MB,
+                     speculation=speculation, **LIMITS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+async def test_drafts_change_no_token_through_any_split(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle, split: list[tuple[int, int]]) -> None:
+    plant = _plant(smollm2_dir, amqtt_broker, split, DRAFTS)
+    reqs = quoting()
+    async with running(plant) as stages:
+        runs = []
+        for _ in range(2):  # the same answers on every repeat
+            runs.append([await ask(plant, r, client_id="gw") for r in reqs])
+        for stage in stages:  # rolled-back and cancelled drafts leave no KV behind
+            await _until(lambda s=stage: not s.caches and s._metrics()["kv_bytes"] == 0)
+        rollbacks = sum(s.metrics["rollbacks"] + s.metrics["cancelled_frames"] for s in stages)
+    for responses in runs:
+        for request, response in zip(reqs, responses, strict=True):
+            assert response.error is None, response.error
+            assert response.tokens == plant_reference(plant, request), request.id
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    accepted, rejected = _drafted(runs[0])
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
+    assert rollbacks > 0
+
+
+@pytest.mark.slow
+async def test_requests_in_flight_together_draft_exactly(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+    plant = _plant(smollm2_dir, amqtt_broker, SPLITS["3-stages"],
+                   Speculation(drafts=2, max_in_flight=3))
+    reqs = quoting()
+    async with running(plant):
+        responses = await ask_all(plant, reqs)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.error is None, response.error
+        assert response.tokens == plant_reference(plant, request), request.id
+    accepted, _ = _drafted(responses)
+    assert accepted > 0
+
+
+@pytest.mark.slow
+async def test_seeded_sampling_draws_the_same_tokens_with_drafts_on(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+    """A sampled token is drawn from the same logits with the same random draw, drafts or
+    not, so a seed gives the same text: the target distribution, exactly."""
+    reqs = [r.model_copy(update={"id": f"{r.id}-{seed}", "temperature": 0.7, "seed": seed})
+            for seed in (1, 2) for r in quoting()]
+    answers = []
+    for speculation in (Speculation(), DRAFTS):
+        plant = _plant(smollm2_dir, amqtt_broker, SPLITS["3-stages"], speculation)
+        async with running(plant):
+            answers.append([await ask(plant, r, client_id="gw") for r in reqs])
+    off, on = answers
+    assert all(r.speculation is None for r in off)
+    assert [r.tokens for r in on] == [r.tokens for r in off]
+    assert all(r.error is None for r in on)
+    accepted, _ = _drafted(on)
+    assert accepted > 0
+
+
+async def test_a_stage_killed_while_drafts_are_in_flight_is_replayed_exactly(
+        smollm2_dir: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
+    """kill -9 of a stage node under `edgebus up`'s process manager while requests draft:
+    their replays down the standby answer what llama.cpp whole answers."""
+    plant = make_plant(smollm2_dir, stages=2, broker=mosquitto_broker.url,
+                       plant_id="spec-failover", replicas=2, weights="gguf")
+    plant = plant.model_copy(update={
+        "stages": [s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB}) for s in plant.stages],
+        "liveness": Liveness(heartbeat_s=0.5, timeout_s=2.0, stage_wait_s=10.0),
+        "coordinator": plant.coordinator.model_copy(update={
+            **LIMITS, "request_timeout_s": 30.0,
+            "speculation": Speculation(drafts=2, max_in_flight=8)})})
+    path = tmp_path / "plant.yaml"
+    write_plant(plant, path)
+    batch = [r.model_copy(update={"stream": True}) for r in quoting()]
+    victim = plant.pipeline[1].node_ids[0]
+    with PlantProcesses(path, log_dir=tmp_path / "logs") as processes:
+        processes.start()
+        await processes.wait_online(120.0)
+        async with gateway(plant) as (gw, bus):
+            await send(bus, plant, batch)
+            await mid_generation(gw, batch, 4)
+            os.kill(processes.pids[victim], SIGKILL)
+            await gw.until(lambda: len(gw.responses) == len(batch), 120)
+    assert [m for m in gw.messages("replaying") if victim in m]
+    assert_exact(plant, gw, batch)
+    accepted, _ = _drafted([gw.responses[r.id] for r in batch])
+    assert accepted > 0
+
+
+async def _until(condition: object, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.05)
