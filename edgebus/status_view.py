@@ -125,7 +125,7 @@ def report(plant: Plant, view: ClusterView, now: float | None = None) -> dict[st
 
 
 _COLUMNS = ("AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "STATE", "AGE", "TOK/S", "BUSY",
-            "QUEUE", "IN FLIGHT", "KV", "RSS", "UPTIME", "LAST ERROR")
+            "QUEUE", "IN FLIGHT", "KV", "RSS", "UPTIME", "DRAFTS", "LAST ERROR")
 
 
 def table(data: dict[str, Any]) -> str:
@@ -148,7 +148,7 @@ def table(data: dict[str, Any]) -> str:
 def _row(agent: dict[str, Any]) -> tuple[str, ...]:
     status = agent["status"]
     if status is None:
-        return (agent["agent_id"], "-", "-", "-", "-", agent["state"], *["-"] * 9)
+        return (agent["agent_id"], "-", "-", "-", "-", agent["state"], *["-"] * 10)
     m = status["metrics"]
     stage = status["role"] == "stage"
     layers = status["layers"]
@@ -163,7 +163,16 @@ def _row(agent: dict[str, Any]) -> tuple[str, ...]:
             "-" if "busy" not in m else f"{m['busy']:.0%}",
             _num(m.get("queue")), _num(m.get("requests" if stage else "in_flight")),
             _bytes(m.get("kv_bytes")), _bytes(status["rss_bytes"]),
-            _duration(status["uptime_s"]), error or "-")
+            _duration(status["uptime_s"]), _drafts(m), error or "-")
+
+
+def _drafts(metrics: dict[str, float]) -> str:
+    """The coordinator's drafts taken of those sent (node_agent/speculation.py)."""
+    sent = metrics.get("drafts_proposed")
+    if not sent:
+        return "-"
+    taken = metrics.get("drafts_accepted", 0.0)
+    return f"{taken:.0f}/{sent:.0f} ({taken / sent:.0%})"
 
 
 def _engine(engine: dict[str, Any] | None) -> str:

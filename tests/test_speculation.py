@@ -261,6 +261,24 @@ async def test_drafts_change_no_token_through_any_split(
 
 
 @pytest.mark.slow
+async def test_torch_stages_roll_back_drafts_exactly_too(
+        smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+    """A torch stage's KVCache truncates as llama.cpp's sequence does: held to transformers'
+    `generate` on the fp32 checkpoint."""
+    plant = plant_for(smollm2_dir, amqtt_broker, SPLITS["2-stages"], speculation=DRAFTS,
+                      **LIMITS)
+    reqs = quoting()[:2]
+    async with running(plant) as stages:
+        responses = [await ask(plant, r, client_id="gw") for r in reqs]
+        rollbacks = sum(s.metrics["rollbacks"] + s.metrics["cancelled_frames"] for s in stages)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.error is None, response.error
+        assert response.tokens == plant_reference(plant, request), request.id
+    accepted, rejected = _drafted(responses)
+    assert accepted > 0 and rejected > 0 and rollbacks > 0
+
+
+@pytest.mark.slow
 async def test_requests_in_flight_together_draft_exactly(
         smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
     plant = _plant(smollm2_dir, amqtt_broker, SPLITS["3-stages"],

@@ -250,6 +250,7 @@ async def test_edgebus_status_shows_the_live_plant(tiny_llama: Path, amqtt_broke
         assert rows["coordinator"]["ENGINE"] == "-"
         assert rows["stage-1"]["LAST ERROR"].startswith("dropped ")
         assert rows["coordinator"]["IN FLIGHT"] == "0" and rows["stage-0"]["LAST ERROR"] == "-"
+        assert rows["coordinator"]["DRAFTS"] == "-"  # the plant does not draft
         assert rows["stage-0"]["RSS"].endswith(("M", "G"))
 
         # A plant file naming an agent that never ran: it is missing, and the
