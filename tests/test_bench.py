@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edgebus.bench import report, shared_cores
+from edgebus.bench import report, shared_cores, speculation
 from edgebus.bench.metrics import (
     HopLatency,
     LoadStats,
@@ -40,8 +40,10 @@ from edgebus.bench.results import (
     Wire,
 )
 from edgebus.bench.shared_cores import Floor
+from edgebus.bench.speculation import SpeculationLoad, SpeculationRun
 from edgebus.bench.stage_steps import StageSteps
 from edgebus.processes import proc_status_bytes
+from plant_config import make_plant
 
 MIB = 1024**2
 
@@ -287,6 +289,65 @@ def test_the_stages_chained_by_pipes_compute_what_the_whole_model_does(
     assert floor.whole_ms > 0 and floor.chain_ms > 0
     assert floor.whole_tok_s is not None and floor.whole_tok_s > 0
     assert floor.chain_tok_s is not None and floor.chain_tok_s > 0
+
+
+def test_drafts_are_held_to_llama_cpp_and_to_the_plant_without_them(
+        result: BenchResult) -> None:
+    runs = [SpeculationRun("seed Q4_0", 3, False, 1, "quoting", off=_stream(10.0), on=_stream(14.0),
+                           proposed=100, accepted=60, tokens=256, llama_cpp=_stream(20.0),
+                           llama_lookup=_stream(28.0)),
+            SpeculationRun("seed Q4_0", 3, False, 1, "free", off=_stream(10.0), on=_stream(9.0),
+                           proposed=10, accepted=1, tokens=256, llama_cpp=None,
+                           llama_lookup=None)]
+    load = SpeculationLoad(16, off=_load(16, 100.0), on=_load(16, 99.0))
+    markdown = report.render_markdown(dataclasses.replace(
+        result, speculation=runs, speculation_load=load), None)
+    verdicts = _verdicts(markdown)
+    assert verdicts["drafts on, seed Q4_0, 3 stages, quoting, vs llama.cpp in one process on "
+                    "the same cores"] == ("0.70x", "**fail**")
+    assert verdicts["drafts on, seed Q4_0, 3 stages, quoting, vs llama.cpp's own lookup "
+                    "decoding"] == ("0.50x", "**fail**")
+    assert verdicts["drafts on, seed Q4_0, 3 stages, free, vs the plant with drafts off"] == (
+        "0.90x", "**fail**")
+    assert verdicts["16 concurrent, drafts on vs off"] == ("0.99x", "pass")
+    section = markdown.split("## Pipelined speculation", 1)[1].split("\n## ", 1)[0]
+    assert ("| seed Q4_0 | 3 stages | quoting | 10.0 | 14.0 | 1.40x | 60 of 100 (60%) | 23% | "
+            "20.0 | 0.70x | 28.0 | 0.50x |") in section
+    assert ("| seed Q4_0 | 3 stages | free | 10.0 | 9.0 | 0.90x | 1 of 10 (10%) | 0% | "
+            "n/a |") in section
+
+
+@pytest.mark.slow
+def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
+        smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The phase for real, shortened: one turn each way, a few tokens, no llama.cpp peer
+    (its tools take half an hour to build), and it says so."""
+    monkeypatch.setattr(speculation, "TURNS", 1)
+    monkeypatch.setattr(speculation, "TOKENS", 12)
+    notes: list[str] = []
+
+    def plant(url: str):  # type: ignore[no-untyped-def]
+        made = make_plant(smollm2_dir, stages=2, broker=url, plant_id="spec", weights="gguf")
+        return made.model_copy(update={"stages": [
+            s.model_copy(update={"kv_budget_mb": 32}) for s in made.stages],
+            "coordinator": made.coordinator.model_copy(update={
+                "max_prompt_tokens": 256, "max_tokens_limit": 16})})
+
+    runs, load = speculation.measure("SmolLM2", plant, tmp_path, _tokenizer(smollm2_dir), None,
+                                     threads=1, load=False, notes=notes)
+    assert load is None
+    assert [run.workload for run in runs] == ["quoting", "free"]
+    quoting = runs[0]
+    assert quoting.off.tok_s > 0 and quoting.on.tok_s > 0
+    assert quoting.tokens == 12 * len(speculation.QUOTING)
+    assert quoting.proposed > 0 and 0 < quoting.accepted <= quoting.proposed
+    assert quoting.llama_cpp is None and any("not measured" in n for n in notes)
+
+
+def _tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def test_the_seed_shape_is_held_to_llama_cpp_with_a_stages_threads(

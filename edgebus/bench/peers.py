@@ -402,9 +402,11 @@ def context_size(prompt_tokens: int, tokens: int, slots: int) -> int:
 
 
 def server_argv(tools: LlamaTools, gguf: Path, *, port: int, threads: int, slots: int,
-                context: int, rpc: Sequence[str] = ()) -> list[str]:
+                context: int, rpc: Sequence[str] = (),
+                speculative: Sequence[str] = ()) -> list[str]:
     """The llama-server command line: `slots` parallel slots sharing `context` positions,
-    `threads` threads for prompt and generation, and with `rpc` every layer on those workers."""
+    `threads` threads for prompt and generation, with `rpc` every layer on those workers,
+    and `speculative` options (LOOKUP_DECODING) added as given."""
     argv = [str(tools.binary("llama-server")), "-m", str(gguf), "--host", LOOPBACK,
             "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
             "-c", str(context),
@@ -415,13 +417,21 @@ def server_argv(tools: LlamaTools, gguf: Path, *, port: int, threads: int, slots
             "-fit", "off", "--no-webui"]
     if rpc:
         argv += ["--rpc", ",".join(rpc), "-ngl", "all"]
-    return argv
+    return argv + list(speculative)
 
 
 def rpc_server_argv(tools: LlamaTools, *, port: int, threads: int) -> list[str]:
     """One ggml-rpc-server on loopback: a CPU device with `threads` threads."""
     return [str(tools.binary("ggml-rpc-server")), "-H", LOOPBACK, "-p", str(port),
             "-t", str(threads)]
+
+
+# llama.cpp's own prompt-lookup decoding, as llama-server runs it: drafts from n-grams of
+# the request's own text, verified k positions in one call. Lookup n-grams of 3 and drafts
+# of 10 are prompt lookup's usual setting (transformers' max_ngram_size and
+# prompt_lookup_num_tokens); llama-server's defaults (12 and 48) are for long repeats.
+LOOKUP_DECODING = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                   "--spec-ngram-simple-size-m", "10")
 
 
 def completion_body(ids: Sequence[int], tokens: int) -> dict[str, object]:
@@ -519,12 +529,12 @@ def _log_dir(log_dir: Path | None) -> Iterator[Path]:
 @contextmanager
 def llama_server(tools: LlamaTools, gguf: Path, *, threads: int, slots: int, context: int,
                  logs: Path, rpc: Sequence[str] = (), name: str = "llama-server",
-                 ) -> Iterator[LlamaServer]:
+                 speculative: Sequence[str] = ()) -> Iterator[LlamaServer]:
     """A llama-server on a free loopback port, ready to answer; stopped on leaving."""
     _check_gguf(gguf)
     port = free_port()
     argv = server_argv(tools, gguf, port=port, threads=threads, slots=slots, context=context,
-                       rpc=rpc)
+                       rpc=rpc, speculative=speculative)
     with ToolProcess(name, argv, env=tools.env(), log=logs / f"{name}.log") as process:
         server = LlamaServer(process, port)
         server.wait_ready()

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgebus.bench import roofline, shared_cores
+from edgebus.bench import roofline, shared_cores, speculation
 from edgebus.bench.metrics import LoadStats, StreamStats
 from edgebus.bench.peers import RpcRun, Skipped
 from edgebus.bench.results import BOXES_CONCURRENCY, BenchResult, PipelineRun
@@ -29,6 +29,11 @@ STAGE_STEP_GOAL = 1.05
 # The seed's shape through 3 llama.cpp stages against llama.cpp in one process (issue 19):
 # a bigger model's steps dwarf the hops, so the pipeline should lose little to them.
 SEED_SINGLE_GOAL = 0.95
+# Pipelined speculation (issue 21): drafts must beat llama.cpp in one process where answers
+# quote their prompt, cost nothing where they do not, and step aside under load.
+SPECULATION_QUOTING_GOAL = 1.5
+SPECULATION_FREE_GOAL = 0.95
+SPECULATION_LOAD_GOAL = 0.98
 # A decode step should read its weights at no less than this share of memory bandwidth.
 ROOFLINE_GOAL = 0.70
 _MIB = 1024**2
@@ -92,7 +97,7 @@ def targets(result: BenchResult) -> list[Target]:
                at_least=False),
     ]
     return rows + _peer_targets(result) + _seed_targets(result) + _stage_step_targets(
-        result) + [
+        result) + _speculation_targets(result) + [
         Target("worst stage decode step vs its memory roofline (weight bytes / bandwidth)",
                min((f for _, _, f in roofline_rows(result) if f is not None), default=None),
                ROOFLINE_GOAL, at_least=True),
@@ -161,6 +166,76 @@ def _stage_step_targets(result: BenchResult) -> list[Target]:
                    f"{s.threads} thread(s)", _ratio(s.sum_ms, s.whole_ms), STAGE_STEP_GOAL,
                    at_least=False)
             for s in result.stage_steps or []]
+
+
+def _speculation_targets(result: BenchResult) -> list[Target]:
+    """Drafts against llama.cpp in one process, and against the plant without them."""
+    rows: list[Target] = []
+    for run in result.speculation or []:
+        where = f"{run.model}, {_stages(run)}, {run.workload}"
+        if run.workload == "quoting":
+            rows += [
+                Target(f"drafts on, {where}, vs llama.cpp in one process on the same cores",
+                       _ratio(run.on.tok_s, run.llama_cpp.tok_s if run.llama_cpp else None),
+                       SPECULATION_QUOTING_GOAL, at_least=True),
+                Target(f"drafts on, {where}, vs llama.cpp's own lookup decoding",
+                       _ratio(run.on.tok_s,
+                              run.llama_lookup.tok_s if run.llama_lookup else None),
+                       1.0, at_least=True)]
+        else:
+            rows.append(Target(f"drafts on, {where}, vs the plant with drafts off",
+                               run.gain, SPECULATION_FREE_GOAL, at_least=True))
+    if (load := result.speculation_load) is not None:
+        rows.append(Target(f"{load.concurrency} concurrent, drafts on vs off", load.ratio,
+                           SPECULATION_LOAD_GOAL, at_least=True))
+    return rows
+
+
+def _speculation(result: BenchResult) -> str:
+    if not result.speculation:
+        return ""
+    rows = [[run.model, _stages(run), run.workload, rate(run.off.tok_s), rate(run.on.tok_s),
+             times(run.gain),
+             f"{run.accepted} of {run.proposed}" + (f" ({run.acceptance:.0%})"
+                                                   if run.acceptance is not None else ""),
+             f"{run.accepted / run.tokens:.0%}" if run.tokens else UNMEASURED,
+             rate(run.llama_cpp.tok_s if run.llama_cpp else None),
+             times(_ratio(run.on.tok_s, run.llama_cpp.tok_s if run.llama_cpp else None)),
+             rate(run.llama_lookup.tok_s if run.llama_lookup else None),
+             times(_ratio(run.on.tok_s, run.llama_lookup.tok_s if run.llama_lookup else None))]
+            for run in result.speculation]
+    load = result.speculation_load
+    under_load = ("" if load is None else
+                  f"\n\n{load.concurrency} requests at once (the chat prompt, closed loop): "
+                  f"{rate(load.off.tok_s)} tok/s with drafts off, {rate(load.on.tok_s)} with "
+                  f"drafts on ({times(load.ratio)}): with more than "
+                  "`speculation.max_in_flight` requests in flight nobody drafts.")
+    first = result.speculation[0]
+    return ("## Pipelined speculation\n\n"
+            "One request at a time through the llama.cpp plant over Mosquitto, with "
+            f"prompt-lookup drafts off and on ({first.drafts} draft in flight; "
+            "[architecture.md](architecture.md#pipelined-speculation)), in alternating turns "
+            f"of their own processes; {speculation.TOKENS} tokens a request, greedy. The "
+            "*quoting* requests repeat their prompt (an alarm, a paragraph to rewrite, a code "
+            "edit), the *free* ones do not (`edgebus/bench/speculation.py`). Beside it, "
+            "llama.cpp whole in one process on all cores (llama-server, one slot), without "
+            "and with its own lookup decoding (`--spec-type ngram-simple`, n-gram 3, drafts "
+            "of 10), on the same prompts. *taken* is the drafts taken of those sent; *tokens "
+            "drafted* the share of the tokens whose draft was taken. Greedy output is the same "
+            "with drafts on and off, token for token (tests/test_speculation.py). The plant "
+            "as `edgebus up` runs it shares this box's cores among its stages, so a draft's "
+            "compute is taken from the token's own; the pinned rows give each stage a core of "
+            "its own, as a plant of separate boxes has ([architecture.md]"
+            "(architecture.md#what-drafts-cost-where-stages-share-cores))."
+            + under_load + "\n\n"
+            + table(["model", "stages", "workload", "drafts off, tok/s", "drafts on, tok/s",
+                     "on / off",
+                     "taken", "tokens drafted", "llama.cpp, tok/s", "on / llama.cpp",
+                     "llama.cpp lookup, tok/s", "on / lookup"], rows))
+
+
+def _stages(run: speculation.SpeculationRun) -> str:
+    return f"{run.stages} stages" + (", each pinned to a core" if run.pinned else "")
 
 
 def _stage_steps(result: BenchResult) -> str:
@@ -316,7 +391,7 @@ def render_markdown(result: BenchResult, plot_name: str | None) -> str:
     sections = [
         _header(result), _machine(result), _workload(result), _targets(result),
         _baselines(result), _peers(result), _single(result), _concurrency(result),
-        _stage_steps(result), _shared_cores(result),
+        _stage_steps(result), _shared_cores(result), _speculation(result),
         _wire(result), _hops(result), _roofline(result), _memory(result), _boxes(result),
         _seed_shape(result), _STAGE_COMPUTE,
         _weight_modes(result.settings.out.parent / WEIGHT_MODES_DOC), _plot(plot_name),

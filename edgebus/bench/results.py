@@ -12,6 +12,7 @@ from plant_config.schema import WeightMode
 if TYPE_CHECKING:
     from edgebus.bench.peers import PeerRuns, Skipped
     from edgebus.bench.shared_cores import Floor
+    from edgebus.bench.speculation import SpeculationLoad, SpeculationRun
     from edgebus.bench.stage_steps import StageSteps
 
 BROKERS = ("amqtt", "mosquitto")
@@ -198,3 +199,7 @@ class BenchResult:
     # The llama.cpp stages chained by pipes against the whole model, per model: what sharing
     # this box's cores costs a plant, with no transport at all.
     floors: list[Floor] | None = None
+    # A lone request with prompt-lookup drafts and without, per model and workload, beside
+    # llama.cpp with and without its lookup decoding; and 16 at once, drafts on and off.
+    speculation: list[SpeculationRun] | None = None
+    speculation_load: SpeculationLoad | None = None

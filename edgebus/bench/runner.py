@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import platform
 import statistics
@@ -26,7 +27,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from broker.mosquitto import MosquittoProcess, mosquitto_version
-from edgebus.bench import baseline, peers, roofline, shared_cores, stage_steps
+from edgebus.bench import baseline, peers, roofline, shared_cores, speculation, stage_steps
 from edgebus.bench.gateway import Gateway, Sniffer, broker_hop, closed_loop
 from edgebus.bench.metrics import (
     LoadStats,
@@ -56,7 +57,7 @@ from edgebus.bench.workload import chat_request, long_prompt, long_request, requ
 from edgebus.errors import EdgebusError
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses, shared_groups, shared_threads
 from edgebus.messages import GenerateRequest
-from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
+from edgebus.model_import import DEMO_MODEL_NAME, GGUF_FILE, bundled_gguf, ensure_demo_model
 from edgebus.processes import LOOPBACK, free_port, idle_agent_rss
 from node_agent.costs import model_costs
 from node_agent.engines.onnx_engine import prepare_graphs
@@ -134,7 +135,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
     seed = settings.seed_shape and not settings.quick
     gguf_steps = "gguf" in settings.weights
     phases = (5 + len(runs) + (3 if settings.boxes else 0) + (1 if seed else 0)
-              + (2 if gguf_steps else 0))
+              + (3 if gguf_steps else 0))
     print(f"edgebus bench on {machine.cpu}: {phases} phases; plant files and agent logs in "
           f"{workdir}", flush=True)
     with tqdm(total=phases, unit="phase", file=sys.stdout) as bar:
@@ -184,12 +185,32 @@ def run_bench(settings: BenchSettings) -> BenchResult:
                     stage_threads=shared_threads(PIPELINE_STAGES),
                     load_rows=max(settings.concurrency),
                     load_groups=shared_groups(PIPELINE_STAGES), whole_threads=cores))
+        drafted: list[speculation.SpeculationRun] = []
+        drafted_load = None
+        if gguf_steps:
+            with _phase(bar, "pipelined speculation: drafts off and on, beside llama.cpp"):
+                drafted, drafted_load = speculation.measure(
+                    DEMO_MODEL_NAME, lambda url: _plant(model_dir, "bench-speculation",
+                                                        PIPELINE_STAGES, url=url,
+                                                        weights="gguf"),
+                    workdir / "speculation", tokenizer, bundled_gguf(), threads=cores,
+                    load=True, notes=notes)
+                # The nearest this box comes to a plant of separate boxes: as many stages as
+                # cores, each pinned to its own.
+                pinned, _ = speculation.measure(
+                    DEMO_MODEL_NAME, lambda url: _plant(model_dir, "bench-speculation-pinned",
+                                                        cores, url=url, weights="gguf",
+                                                        threads=1),
+                    workdir / "speculation-pinned", tokenizer, bundled_gguf(), threads=cores,
+                    load=False, notes=notes, pin=True)
+                drafted += pinned
         seed_shape = None
         if seed:
             with _phase(bar, "the seed's model shape (DeepSeek-Coder-1.3B, random weights)"):
-                seed_shape, seed_steps, seed_floor = run_seed_shape(workdir, notes)
+                seed_shape, seed_steps, seed_floor, seed_drafted = run_seed_shape(workdir, notes)
                 steps += seed_steps
                 floors += [seed_floor] if seed_floor is not None else []
+                drafted += seed_drafted
 
     result = BenchResult(
         settings=settings, machine=machine, model=DEMO_MODEL_NAME,
@@ -200,7 +221,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
         pipelines=pipelines, boxes=boxes, one_core=one_core,
         elapsed_s=time.monotonic() - started, notes=notes, bandwidth_gbs=bandwidth / 1e9,
         peers=peer_runs, seed_shape=seed_shape, stage_steps=steps or None,
-        floors=floors or None)
+        floors=floors or None, speculation=drafted or None, speculation_load=drafted_load)
     text, plot = write_report(result)
     print(text)
     print(f"wrote {settings.out}" + (f" and {plot}" if plot is not None else
@@ -446,11 +467,13 @@ async def _measure_boxes(processes: PlantProcesses, settings: BenchSettings,
 
 
 def run_seed_shape(workdir: Path, notes: list[str]
-                   ) -> tuple[SeedShape, list[stage_steps.StageSteps], shared_cores.Floor | None]:
+                   ) -> tuple[SeedShape, list[stage_steps.StageSteps], shared_cores.Floor | None,
+                              list[speculation.SpeculationRun]]:
     """Each of SEED_VARIANTS as 3 stages over Mosquitto on a random-weight model of
     DeepSeek-Coder-1.3B's shape, and llama.cpp on GGUFs of the same shape: one
     SEED_COMPLETION_TOKENS-token completion each; its llama.cpp stages' decode steps
-    against the whole model's; and those stages chained by pipes, single stream."""
+    against the whole model's; those stages chained by pipes, single stream; and its
+    llama.cpp plant with drafts and without."""
     model_dir = peers.make_seed_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = prompt_ids(tokenizer, _seed_request("ids"))
@@ -461,6 +484,7 @@ def run_seed_shape(workdir: Path, notes: list[str]
     runs = []
     steps: list[stage_steps.StageSteps] = []
     floor = None
+    drafted: list[speculation.SpeculationRun] = []
     for engine, weights in SEED_VARIANTS:
         source = gguf_dir if weights == "gguf" else model_dir
         if source is None:
@@ -480,6 +504,11 @@ def run_seed_shape(workdir: Path, notes: list[str]
                      for threads in sorted({1, len(os.sched_getaffinity(0))})]
             floor = shared_cores.measure(source, f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
                                          layers, stage_threads=shared_threads(PIPELINE_STAGES))
+            drafted, _ = speculation.measure(
+                f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
+                functools.partial(_seed_plant, source), workdir / "speculation-seed",
+                tokenizer, source / GGUF_FILE, threads=len(os.sched_getaffinity(0)),
+                load=False, notes=notes)
     cores = len(os.sched_getaffinity(0))
 
     def llama_cpp(quant: str, threads: int) -> StreamStats | peers.Skipped:
@@ -499,7 +528,11 @@ def run_seed_shape(workdir: Path, notes: list[str]
     return SeedShape(model=peers.SEED_MODEL_NAME, prompt_tokens=len(ids),
                      tokens=SEED_COMPLETION_TOKENS, runs=runs, llama_cpp=llama,
                      stage_gguf=SEED_STAGE_GGUF, stage_threads=threads,
-                     llama_cpp_stage_threads=alike), steps, floor
+                     llama_cpp_stage_threads=alike), steps, floor, drafted
+
+
+def _seed_plant(source: Path, url: str) -> Plant:
+    return _plant(source, "bench-seed-speculation", PIPELINE_STAGES, url=url, weights="gguf")
 
 
 def _seed_request(name: str, tokens: int = SEED_COMPLETION_TOKENS) -> GenerateRequest:
