@@ -43,7 +43,8 @@ def _init(args: argparse.Namespace) -> None:
             stages=_DEFAULT_STAGES if args.stages is None else args.stages,
             broker=args.broker or "embedded", topic_root=args.topic_root, force=args.force,
             replicas=1 if args.replicas is None else args.replicas, weights=args.weights,
-            secure=not args.insecure, gateways=gateways, finish=_kv_budgets)
+            secure=not args.insecure, gateways=gateways,
+            finish=lambda made: _drafts(_kv_budgets(made), args.drafts))
     print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers"
           + (", weights: gguf, run by llama.cpp from the file as it is"
              if plant.model.suffix.lower() == GGUF_SUFFIX else ""))
@@ -94,7 +95,7 @@ def _init_example(args: argparse.Namespace, gateways: list[str]) -> Plant:
     costs, _, _ = model_costs(profiled_model(model, {resolve_engine("auto", args.weights)}))
     plant = example_plant(args.example, args.model, costs, broker=args.broker,
                           topic_root=args.topic_root, weights=args.weights)
-    plant = _kv_budgets(plant)
+    plant = _drafts(_kv_budgets(plant), args.drafts)
     if not args.insecure:
         plant = with_security(plant, Path(args.plant).resolve().parent, gateways=gateways)
     return write_new_plant(plant, args.plant, force=args.force)
@@ -108,6 +109,20 @@ def _kv_budgets(plant: Plant) -> Plant:
     from node_agent.model_config import load_config
 
     return with_kv_budgets(plant, load_config(plant.model))
+
+
+def _drafts(plant: Plant, drafts: int | None) -> Plant:
+    """The coordinator's speculation.drafts, where `init --drafts` sets it."""
+    if drafts is None:
+        return plant
+    coordinator = plant.coordinator
+    try:
+        speculation = type(coordinator.speculation).model_validate(
+            {**coordinator.speculation.model_dump(), "drafts": drafts})
+    except ValueError as exc:
+        raise EdgebusError(f"--drafts {drafts}: give 0 (off) to 16") from exc
+    return plant.model_copy(update={"coordinator": coordinator.model_copy(
+        update={"speculation": speculation})})
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -388,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight mode of every node (default: gguf for a .gguf model, else "
                         "fp32, the only mode token-exact against transformers; see "
                         "docs/weight-modes.md)")
+    p.add_argument("--drafts", type=int, metavar="N",
+                   help="drafts a lone request sends down the pipeline ahead of its token "
+                        "(coordinator.speculation.drafts; default 0: off). Exact: answers do "
+                        "not change. Stages - 1 fills a plant of separate boxes; see "
+                        "docs/architecture.md#pipelined-speculation")
     p.add_argument("--gateways", default=",".join(DEFAULT_GATEWAYS), metavar="IDS",
                    help="comma-separated ids of the PLC/SCADA gateways that may ask, each "
                         f"with a password of its own (default {','.join(DEFAULT_GATEWAYS)})")

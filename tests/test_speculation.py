@@ -71,6 +71,23 @@ def _drafted(responses: list[GenerateResponse]) -> tuple[int, int]:
             sum(u.rejected for u in usage if u is not None))
 
 
+def test_init_writes_the_drafts_into_the_plant_file(
+        tmp_path: Path, tiny_llama_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from edgebus.cli import main
+    from plant_config import load_plant
+
+    path = tmp_path / "plant.yaml"
+    main(["init", str(path), "--model", str(tiny_llama_gguf), "--stages", "2", "--drafts", "1",
+          "--insecure"])
+    assert load_plant(path).coordinator.speculation.drafts == 1
+    with pytest.raises(SystemExit) as exited:
+        main(["init", str(tmp_path / "other.yaml"), "--model", str(tiny_llama_gguf),
+              "--drafts", "99", "--insecure"])
+    assert exited.value.code == 2
+    assert "--drafts 99: give 0 (off) to 16" in capsys.readouterr().err
+    assert not (tmp_path / "other.yaml").exists()
+
+
 # -- prompt lookup ----------------------------------------------------------------
 
 
