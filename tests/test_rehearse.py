@@ -20,7 +20,7 @@ from edgebus.rehearse.sizing import box_shares, broker_box, coordinator_box
 from edgebus.rehearse.workload import ROWS_PER_GROUP
 from plant_config import BrokerSettings, Plant, StageSpec
 from plant_config.planner import BATCH_ROWS, MessageCost, ModelCosts, PartBytes, PartCost
-from plant_config.schema import BoxSpec
+from plant_config.schema import BoxSpec, Speculation
 
 
 def seed_plant(model: Path, url: str = "mqtt://jetson:1883") -> Plant:
@@ -116,6 +116,25 @@ def test_the_prediction_counts_batch_steps_messages_and_each_boxs_cpu(tmp_path: 
     unprofiled = predict(plant, made_up_costs(None), shares, 4, 1, "jetson", "jetson")
     assert not unprofiled.hops_profiled and one_group.hops_profiled
     assert unprofiled.tok_s == pytest.approx(4 * 1000 / (40 / 3 + 40 / 3 + 220 / 9))
+
+
+def test_a_drafting_plant_is_predicted_with_every_draft_taken_as_its_ceiling(
+        tmp_path: Path) -> None:
+    plant = seed_plant(tmp_path)
+    drafting = plant.model_copy(update={"coordinator": plant.coordinator.model_copy(
+        update={"speculation": Speculation(drafts=2)})})
+    shares = box_shares(plant, cpu_total=1.5)
+    message = MessageCost(agent_ms=0.6, broker_ms=0.09)
+    lone = predict(drafting, made_up_costs(message), shares, 1, 1, "jetson", "jetson")
+    plain = predict(plant, made_up_costs(message), shares, 1, 1, "jetson", "jetson")
+    assert plain.drafted_tok_s is None and lone.tok_s == pytest.approx(plain.tok_s)
+    # Three positions in flight: faster than one, never past the busiest box's rate.
+    jetson_ms = (22 + 0.6 + 0.6 + 4 * 0.09) / 0.9
+    assert lone.drafted_tok_s is not None
+    assert plain.tok_s < lone.drafted_tok_s < 1000 / jetson_ms
+    # With more requests in flight than speculation.max_in_flight nobody drafts.
+    assert predict(drafting, made_up_costs(message), shares, 4, 1, "jetson",
+                   "jetson").drafted_tok_s is None
 
 
 def test_cycle_time_is_exact_mean_value_analysis() -> None:

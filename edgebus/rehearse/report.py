@@ -50,6 +50,9 @@ class Prediction:
     hop_ms: float               # a hop as hop_ms() measures one: the cycle less the steps
     tok_s: float                # all requests together
     hops_profiled: bool         # whether the profile measured a message's CPU
+    # Where the requests draft (coordinator.speculation): the rate with every draft taken,
+    # each request's drafts in flight behind its token as customers of their own.
+    drafted_tok_s: float | None = None
 
 
 def predict(plant: Plant, costs: ModelCosts, shares: list[BoxShare], requests: int,
@@ -68,11 +71,19 @@ def predict(plant: Plant, costs: ModelCosts, shares: list[BoxShare], requests: i
     load[coordinator_box] += message.agent_ms
     hops = len(serving) + 1
     load[broker_box] += hops * message.broker_ms
-    cycle_ms = cycle_time([load[box] / cores[box] for box in load if load[box]],
-                          groups_for(requests, batch_groups))
+    demands = [load[box] / cores[box] for box in load if load[box]]
+    cycle_ms = cycle_time(demands, groups_for(requests, batch_groups))
+    drafting = plant.coordinator.speculation
+    drafted = None
+    if drafting.drafts and requests <= drafting.max_in_flight:
+        # Every position, drafted or not, is a step on every box (exact verification):
+        # drafts add customers to the loop, never take work out of it.
+        positions = requests * (drafting.drafts + 1)
+        drafted = positions * 1000 / cycle_time(demands, positions)
     return Prediction(step_ms=step,
                       hop_ms=(cycle_ms - sum(step[node] for node in serving)) / hops,
-                      tok_s=requests * 1000 / cycle_ms, hops_profiled=costs.message is not None)
+                      tok_s=requests * 1000 / cycle_ms, hops_profiled=costs.message is not None,
+                      drafted_tok_s=drafted)
 
 
 def cycle_time(demands_ms: list[float], customers: int) -> float:
@@ -143,6 +154,10 @@ def summary(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
         + (f", predicted {prediction.hop_ms:.1f}" if prediction.hops_profiled else
            ", not predicted: the profile has no message cost, Mosquitto was not installed "
            "when it was measured (`edgebus plan --profile` measures again)")]
+    if prediction.drafted_tok_s is not None:
+        lines.append(f"drafts: with every draft taken, at most {prediction.drafted_tok_s:.1f} "
+                     f"tok/s predicted ({plant.coordinator.speculation.drafts} in flight); the "
+                     "drafts taken, not this, set the measured rate")
     lines += [f"error: {error}" for error in measured.errors]
     return "\n".join(lines)
 
