@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from edgebus.bench import report, shared_cores, speculation
 from edgebus.bench.metrics import (
@@ -43,7 +44,7 @@ from edgebus.bench.shared_cores import Floor
 from edgebus.bench.speculation import SpeculationLoad, SpeculationRun
 from edgebus.bench.stage_steps import StageSteps
 from edgebus.processes import proc_status_bytes
-from plant_config import make_plant
+from plant_config import Plant, make_plant
 
 MIB = 1024**2
 
@@ -326,14 +327,15 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
     monkeypatch.setattr(speculation, "TOKENS", 12)
     notes: list[str] = []
 
-    def plant(url: str):  # type: ignore[no-untyped-def]
+    def plant(url: str) -> Plant:
         made = make_plant(smollm2_dir, stages=2, broker=url, plant_id="spec", weights="gguf")
         return made.model_copy(update={"stages": [
             s.model_copy(update={"kv_budget_mb": 32}) for s in made.stages],
             "coordinator": made.coordinator.model_copy(update={
                 "max_prompt_tokens": 256, "max_tokens_limit": 16})})
 
-    runs, load = speculation.measure("SmolLM2", plant, tmp_path, _tokenizer(smollm2_dir), None,
+    runs, load = speculation.measure("SmolLM2", plant, tmp_path,
+                                     AutoTokenizer.from_pretrained(smollm2_dir), None,
                                      threads=1, load=False, notes=notes)
     assert load is None
     assert [run.workload for run in runs] == ["quoting", "free"]
@@ -342,12 +344,6 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
     assert quoting.tokens == 12 * len(speculation.QUOTING)
     assert quoting.proposed > 0 and 0 < quoting.accepted <= quoting.proposed
     assert quoting.llama_cpp is None and any("not measured" in n for n in notes)
-
-
-def _tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def test_the_seed_shape_is_held_to_llama_cpp_with_a_stages_threads(

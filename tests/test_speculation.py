@@ -31,7 +31,7 @@ from edgebus.frames import Frame, Header, Kind
 from edgebus.launcher import PlantProcesses
 from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
 from node_agent.engines import ContextShape, load_engine
-from node_agent.speculation import JUDGE_DRAFTS, PAUSE_TOKENS, Drafts
+from node_agent.speculation import JUDGE_DRAFTS, PAUSE_TOKENS, Draft, Drafts
 from node_agent.stage import StageAgent
 from plant_config import (
     BrokerSettings,
@@ -105,7 +105,7 @@ def test_drafts_are_what_followed_the_last_tokens_earlier_in_the_text() -> None:
 def test_the_window_grows_with_taken_drafts_and_halves_with_a_miss() -> None:
     drafts = Drafts(Speculation(drafts=4))
     drafts.window = 2
-    drafts.ahead = [_draft(10, 5), _draft(11, 6)]
+    drafts.ahead = [Draft(10, 5), Draft(11, 6)]
     assert drafts.settle(5) == 10  # taken: its frame is already on its way
     assert drafts.window == 3
     assert drafts.settle(7) is None  # missed: the rest is rolled back
@@ -117,17 +117,11 @@ def test_drafting_pauses_where_drafts_keep_missing() -> None:
     text = [1, 2, 3, 1, 2]
     for _ in range(JUDGE_DRAFTS):
         assert drafts.propose(text, room=100)
-        drafts.ahead = [_draft(0, 3)]
+        drafts.ahead = [Draft(0, 3)]
         drafts.settle(99)
     assert drafts.propose(text, room=100) == []
     longer = text + [1, 2] * (PAUSE_TOKENS // 2)
     assert drafts.propose(longer, room=100)  # probes again once the text has moved on
-
-
-def _draft(step: int, token: int):  # type: ignore[no-untyped-def]
-    from node_agent.speculation import Draft
-
-    return Draft(step, token)
 
 
 # -- rollback in the engine ------------------------------------------------------
