@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from broker.mosquitto import MosquittoProcess
 from edgebus.bench import peers
@@ -38,6 +37,9 @@ from edgebus.messages import ChatMessage, GenerateRequest
 from node_agent.text import prompt_ids
 from plant_config import Plant, write_plant
 from plant_config.schema import Speculation
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Tokens per request: long enough that a quote is repeated whole, short enough that the
 # phase takes minutes.
