@@ -858,17 +858,10 @@ def _llama_cpp_python_traces(gguf: str, ids: list[int], tokens: int, runs: int, 
     import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
 
+    from node_agent.engines.llamacpp import library
+
     if not extra_bufts:
-        # Llama() has no use_extra_bufts argument (its **kwargs swallow one silently); the
-        # field lives in the model parameters it takes from llama_model_default_params.
-        defaults = lib.llama_model_default_params
-
-        def without_extra_bufts() -> lib.llama_model_params:
-            params: lib.llama_model_params = defaults()
-            params.use_extra_bufts = False
-            return params
-
-        lib.llama_model_default_params = without_extra_bufts  # this child process only
+        library.keep_off_extra_buffers(lib)  # this child process only
     llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads,
                 n_ctx=LLAMA_CPP_PYTHON_CONTEXT, verbose=False)
     try:

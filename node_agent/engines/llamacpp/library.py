@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import signal
 from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from pathlib import Path
@@ -26,6 +27,7 @@ log = logging.getLogger("llama.cpp")
 PINNED = "0.3.36"
 CAPTURE_MODULE = "_capture"
 CAPTURE_SYMBOL = "edgebus_capture_cb"
+AMX_PROBE_MODULE = "_amx_probe"
 # GGML_LOG_LEVEL_ERROR in ggml.h's enum ggml_log_level.
 _ERROR = 4
 
@@ -54,7 +56,42 @@ def llama() -> ModuleType:
                           f"llama-cpp-python=={PINNED}`") from exc
     lowlevel.llama_log_set(_LOG_CALLBACK(lowlevel), None)
     lowlevel.llama_backend_init()
+    # A build without AMX (docs/deploy.md) keeps its repacked weights on any CPU.
+    fault = amx_fault() if "AMX_INT8 = 1" in _system_info(lowlevel) else 0
+    if fault:
+        keep_off_extra_buffers(lowlevel)
+        log.warning("this CPU advertises AMX but a tile instruction died of %s: llama.cpp "
+                    "runs here without its extra buffer types (AMX, and repacked Q4_0/Q8_0 "
+                    "weights), so slower, never killed (docs/deploy.md#llamacpp-on-the-box-"
+                    "weights-gguf)", signal.Signals(fault).name)
     return lowlevel
+
+
+@functools.cache
+def amx_fault() -> int:
+    """0 if this CPU runs the AMX it advertises, or advertises none; else the signal a tile
+    instruction died of in a forked child (amx_probe.c)."""
+    probe = _c_library(AMX_PROBE_MODULE)
+    fault = int(probe.edgebus_amx_fault())
+    if fault < 0:
+        raise EngineError("could not fork to check this CPU's AMX: the box is out of processes "
+                          "or memory")
+    return fault
+
+
+def keep_off_extra_buffers(lowlevel: ModuleType) -> None:
+    """Every model this process loads, the engine's and `llama_cpp.Llama`'s alike, without
+    llama.cpp's extra CPU buffer types: its AMX kernels run only from them. Llama() reads
+    its model parameters from llama_model_default_params at call time, and takes no
+    use_extra_bufts argument, so the defaults are where this has to go."""
+    defaults = lowlevel.llama_model_default_params
+
+    def without_extra_buffers() -> Any:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    setattr(lowlevel, "llama_model_default_params", without_extra_buffers)  # noqa: B010
 
 
 def library_version() -> str:
@@ -67,19 +104,17 @@ def library_version() -> str:
 
 def system_info() -> str:
     """What the loaded llama.cpp was built for: 'CPU : SSE3 = 1 | AVX2 = 1 | ...'."""
-    return bytes(llama().llama_print_system_info()).decode(errors="replace").strip()
+    return _system_info(llama())
+
+
+def _system_info(lowlevel: ModuleType) -> str:
+    return bytes(lowlevel.llama_print_system_info()).decode(errors="replace").strip()
 
 
 @functools.cache
 def capture_callback() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """(capture library, libggml-base): the C eval callback, and the ggml it calls into."""
-    # Found, not imported: it is a plain C library that pip builds as an extension module.
-    spec = find_spec(f"{__package__}.{CAPTURE_MODULE}")
-    if spec is None or spec.origin is None:
-        raise EngineError("the llamacpp engine's eval callback was not built: reinstall edgebus "
-                          "(pip install -e . builds it, with the C compiler llama-cpp-python "
-                          "needs too)")
-    lib = ctypes.CDLL(spec.origin)
+    lib = _c_library(CAPTURE_MODULE)
     lowlevel = llama()
     # The ggml that llama-cpp-python loaded: the same file, so dlopen hands back its handle.
     libdir = Path(str(lowlevel.__file__)).parent / "lib"
@@ -88,6 +123,16 @@ def capture_callback() -> tuple[ctypes.CDLL, ctypes.CDLL]:
         raise EngineError(f"no libggml-base beside llama-cpp-python's library in {libdir}: "
                           f"reinstall llama-cpp-python=={PINNED}")
     return lib, ctypes.CDLL(str(candidates[0]))
+
+
+def _c_library(module: str) -> ctypes.CDLL:
+    # Found, not imported: a plain C library that pip builds as an extension module.
+    spec = find_spec(f"{__package__}.{module}")
+    if spec is None or spec.origin is None:
+        raise EngineError(f"the llamacpp engine's {module[1:]}.c was not built: reinstall "
+                          "edgebus (pip install -e . builds it, with the C compiler "
+                          "llama-cpp-python needs too)")
+    return ctypes.CDLL(spec.origin)
 
 
 def new_capture(target: str, buffer_address: int, buffer_bytes: int) -> Capture:
