@@ -55,12 +55,6 @@ async def test_smollm2_token_exact_over_mosquitto(
     await _check_token_exact(smollm2_dir, mosquitto_broker, split)
 
 
-@pytest.mark.slow
-async def test_smollm2_token_exact_over_amqtt(smollm2_dir: Path,
-                                              amqtt_broker: BrokerHandle) -> None:
-    await _check_token_exact(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["uneven-3-20-7"])
-
-
 async def _check_token_exact(model_dir: Path, broker: BrokerHandle,
                              split: list[tuple[int, int]]) -> None:
     reqs = requests()
@@ -131,11 +125,12 @@ async def _ask_later(plant: Plant, request: GenerateRequest, delay: float) -> Ge
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", [16, 100])
-async def test_chunked_prefill_stays_exact(smollm2_dir: Path, amqtt_broker: BrokerHandle,
-                                           chunk: int) -> None:
-    """A long prompt in chunks (uneven last chunk included) gives generate()'s tokens."""
+async def test_chunked_prefill_stays_exact(smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+    """A long prompt in small chunks (uneven last chunk included) gives generate()'s tokens;
+    the plant's default chunk, over Mosquitto, is test_smollm2_token_exact_over_mosquitto's.
+    This is also the uneven split's run over amqtt."""
     reqs = requests()
+    chunk = 16
     plant = plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["uneven-3-20-7"],
                       prefill_chunk=chunk)
     async with running(plant) as stages:

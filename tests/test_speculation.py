@@ -309,8 +309,7 @@ async def test_seeded_sampling_draws_the_same_tokens_with_drafts_on(
         smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
     """A sampled token is drawn from the same logits with the same random draw, drafts or
     not, so a seed gives the same text: the target distribution, exactly."""
-    reqs = [r.model_copy(update={"id": f"{r.id}-{seed}", "temperature": 0.7, "seed": seed})
-            for seed in (1, 2) for r in quoting()[:2]]
+    reqs = [r.model_copy(update={"temperature": 0.7, "seed": 1}) for r in quoting()[:2]]
     answers = []
     for speculation in (Speculation(), DRAFTS):
         plant = _plant(smollm2_dir, amqtt_broker, SPLITS["3-stages"], speculation)
