@@ -62,12 +62,14 @@ class MosquittoProcess:
     every `autosave_interval` s), as a plant's broker should. With
     `include_dir` (what `edgebus broker mosquitto-config` wrote), the listener
     and access control come from the `*.conf` files there instead: `port`
-    must then be the port they listen on.
+    must then be the port they listen on. `log_all=True` logs every packet
+    (`log_type all`), each PUBLISH and PUBACK with its client id and message
+    id: what a check that every delivery is acknowledged reads.
     """
 
     def __init__(self, workdir: Path, *, host: str = LOOPBACK, port: int | None = None,
                  persistence: bool = False, autosave_interval: int = 1,
-                 include_dir: Path | None = None) -> None:
+                 include_dir: Path | None = None, log_all: bool = False) -> None:
         binary = mosquitto_binary()
         if binary is None:
             raise EdgebusError(f"mosquitto is not installed: {INSTALL_HINT}")
@@ -81,6 +83,7 @@ class MosquittoProcess:
         self.persistence = persistence
         self.autosave_interval = autosave_interval
         self.include_dir = include_dir
+        self.log_all = log_all
         self.conf_path = workdir / "mosquitto.conf"
         self.log_path = workdir / "mosquitto.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -113,6 +116,8 @@ class MosquittoProcess:
             # user keeps it as is (and is ignored when not root).
             f"user {pwd.getpwuid(os.geteuid()).pw_name}",
         ]
+        if self.log_all:
+            lines.append("log_type all")
         if self.include_dir is not None:
             lines.append(f"include_dir {self.include_dir}")
         if self.persistence:

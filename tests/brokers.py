@@ -11,6 +11,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import ABC, abstractmethod
+from typing import Any
+
+from amqtt.mqtt.constants import QOS_1
+from amqtt.mqtt.puback import PubackPacket
+from amqtt.mqtt.publish import PublishPacket
+from amqtt.plugins.base import BasePlugin
+from amqtt.session import Session
 
 from broker.embedded import EmbeddedBroker
 from broker.mosquitto import INSTALL_HINT as MOSQUITTO_INSTALL_HINT
@@ -23,7 +30,7 @@ _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
 
 __all__ = ["MOSQUITTO_INSTALL_HINT", "AmqttBroker", "BrokerHandle", "MosquittoBroker",
-           "free_port", "mosquitto_binary"]
+           "PubackLedger", "free_port", "mosquitto_binary"]
 
 
 class BrokerHandle(ABC):
@@ -66,6 +73,7 @@ class AmqttBroker(BrokerHandle):
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
+        self._embedded: EmbeddedBroker | None = None
 
     @property
     def mqtt5(self) -> bool:
@@ -83,6 +91,7 @@ class AmqttBroker(BrokerHandle):
             try:
                 async with EmbeddedBroker(self.host, self.port, self.plugins) as broker:
                     self.port = broker.port
+                    self._embedded = broker
                     started.set()
                     await self._stop_event.wait()
             except Exception as exc:  # handed to start()'s caller, the thread just ends
@@ -100,6 +109,11 @@ class AmqttBroker(BrokerHandle):
             self._thread = None
             raise failure[0]
 
+    def plugin(self, name: str) -> Any:
+        """The running broker's plugin of class `name` (one of `plugins`)."""
+        assert self._embedded is not None and self._embedded._broker is not None, "not running"
+        return self._embedded._broker.plugins_manager.get_plugin(name)
+
     def stop(self) -> None:
         thread, self._thread = self._thread, None
         if thread is None:
@@ -109,6 +123,37 @@ class AmqttBroker(BrokerHandle):
         thread.join(_STOP_TIMEOUT_S)
         if thread.is_alive():
             raise RuntimeError(f"amqtt did not shut down within {_STOP_TIMEOUT_S} s")
+
+
+class PubackLedger(BasePlugin):  # type: ignore[misc]  # amqtt is untyped
+    """amqtt plugin: the QoS 1 PUBLISHes the broker sent each client that it has not
+    acknowledged yet. amqtt's own session forgets a delivery 5 s after sending it
+    unacknowledged (its PUBACK timeout), so only the packets themselves can tell."""
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self._lock = threading.Lock()  # the test reads from its own thread
+        self._waiting: dict[str, set[int]] = {}  # client id: message ids
+
+    async def on_mqtt_packet_sent(self, *, packet: Any, session: Session | None) -> None:
+        if isinstance(packet, PublishPacket) and packet.qos == QOS_1 and session is not None:
+            with self._lock:
+                self._waiting.setdefault(session.client_id, set()).add(packet.packet_id)
+
+    async def on_mqtt_packet_received(self, *, packet: Any, session: Session | None) -> None:
+        if isinstance(packet, PubackPacket) and session is not None:
+            with self._lock:
+                self._waiting.get(session.client_id, set()).discard(packet.packet_id)
+
+    async def on_broker_client_connected(self, *, client_id: str,
+                                         client_session: Session) -> None:
+        if client_session.clean_session:  # what the last connection held is gone with it
+            with self._lock:
+                self._waiting.pop(client_id, None)
+
+    def unacknowledged(self, client_id: str) -> int:
+        with self._lock:
+            return len(self._waiting.get(client_id, ()))
 
 
 class MosquittoBroker(MosquittoProcess, BrokerHandle):
