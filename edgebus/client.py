@@ -17,17 +17,24 @@ What it adds, and why:
 - An unbounded incoming queue: aiomqtt drops messages it has already
   acknowledged when a bounded queue is full, which would lose QoS 1 requests
   silently. Agents bound their memory by answering (a "busy" error) instead.
+- Every QoS 1 message received is acknowledged exactly once, in one place
+  (`_dispatch`): when the handler returns, or, for a message the handler
+  `take`s, when the task handling it ends, however it ends. A broker sends a
+  client only INFLIGHT_WINDOW messages it has not acknowledged, so one that
+  is never acknowledged narrows the window for good, and a full window leaves
+  the agent deaf. How many a client holds is its `unacked` status metric.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,6 +80,17 @@ QUEUED_MESSAGE_BYTES = 256
 # a day covers a coordinator box being down over a shift; requests queued
 # longer than that are better re-sent by the gateway.
 SESSION_EXPIRY_S = 24 * 3600
+# QoS 1 messages a broker sends one client before that client's acknowledgements:
+# Mosquitto's max_inflight_messages, 20 by default (measured on 2.0.11, for MQTT
+# 3.1.1 and 5; under MQTT 5 a client may ask for fewer with Receive Maximum, which
+# paho does not). A client holding that many unacknowledged receives nothing more.
+INFLIGHT_WINDOW = 20
+# Held unacknowledged from here on, a client warns (its log, its status): the
+# coordinator holds a request only until it is journaled, milliseconds, so a
+# healthy plant holds a few at most.
+UNACKED_WARN_AT = INFLIGHT_WINDOW * 3 // 4
+# The warning again at most this often while the count stays high.
+UNACKED_WARN_EVERY_S = 10.0
 # CONNACK codes that no amount of retrying fixes (MQTT 3.1.1 and 5).
 _FATAL_CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
                   4: "bad user name or password", 5: "not authorised",
@@ -123,7 +141,8 @@ class BusClient:
     # Called after every (re)connect, once subscribed: a reconnect may have lost
     # messages in flight (the broker restarted), so the agent may need to resend.
     on_connect: list[Callable[[], None]] = field(default_factory=list)
-    # Acknowledge QoS 1 messages only once the handler is done with them (see defer_ack).
+    # Acknowledge QoS 1 messages only once the agent is done with them (see `take`),
+    # not as paho does, when they are read.
     manual_ack: bool = False
     # Reconnect after a lost connection. False: `run` returns when the first
     # connection ends (a coordinator draining a dead peer's session must not
@@ -135,13 +154,24 @@ class BusClient:
     queued_bytes: int = field(default=0, init=False)  # MAX_QUEUED_OUT_BYTES' count
     _queued: dict[int, int] = field(default_factory=dict, init=False)  # mid: bytes
     _client: aiomqtt.Client | None = field(default=None, init=False)
-    _deferred: set[int] = field(default_factory=set, init=False)  # id() of deferred messages
+    _delivering: tuple[aiomqtt.Message, Ack] | None = field(default=None, init=False)
+    _holding: set[Ack] = field(default_factory=set, init=False)  # taken, not yet acknowledged
+    _warned: float = field(default=-UNACKED_WARN_EVERY_S, init=False)  # monotonic
     _connected: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _sending: set[asyncio.Task[None]] = field(default_factory=set, init=False)  # send()s waiting
 
     @property
     def mqtt5(self) -> bool:
         return self.endpoint.protocol == "5"
+
+    @property
+    def unacked(self) -> int:
+        """QoS 1 messages received on this connection and not acknowledged yet."""
+        return len(self._holding)
+
+    def metrics(self) -> dict[str, float]:
+        """This connection's counters for the agent's status."""
+        return {"unsent": float(self.unsent), "unacked": float(self.unacked)}
 
     @property
     def connected(self) -> bool:
@@ -206,7 +236,7 @@ class BusClient:
         `handler` runs in the event loop for every message: it must only
         dispatch (enqueue, resolve a future, spawn a task), never compute.
         With `manual_ack`, a message is acknowledged when `handler` returns
-        unless it called `defer_ack` for it.
+        (or raises), unless it `take`s it.
         """
         delay = RECONNECT_INITIAL_S
         while True:
@@ -219,7 +249,8 @@ class BusClient:
                     finally:
                         self._connected.clear()
                         self._client = None
-                        self._deferred.clear()
+                        # Void with their connection: the broker delivers them again.
+                        self._holding.clear()
                 if not self.reconnect:
                     return
             except aiomqtt.MqttCodeError as exc:
@@ -248,17 +279,30 @@ class BusClient:
         every hop of every token). Here the handler runs inside paho's on_message,
         on the loop's thread, in arrival order. An exception from the handler ends
         `run` with it, as it did when raised from the iterator's loop.
+
+        With `manual_ack` this is the one place a message is acknowledged: when
+        the handler is done with it, or when the task it `take`s it into ends.
+        Without, paho acknowledges it once `on_message` returns.
         """
         failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def deliver(message: aiomqtt.Message) -> None:
-            if self._subscribed(message):
-                handler(message)
-            if self.manual_ack and message.qos > 0 and not self._took(message):
-                client._client.ack(message.mid, message.qos)
+            ack = Ack(self, client, message.mid, message.qos if self.manual_ack else 0)
+            self._delivering = (message, ack)
+            try:
+                if self._subscribed(message):
+                    handler(message)
+            finally:
+                # Even when the handler raised: a message that breaks it would break
+                # it again on every redelivery.
+                self._delivering = None
+                if not ack.taken:
+                    ack()
 
         def on_message(_client: paho.Client, _userdata: Any, message: paho.MQTTMessage) -> None:
             if failed.done():
+                # The handler failed and the connection is ending: what comes now is
+                # delivered again to the next connection of a persistent session.
                 return
             try:
                 deliver(aiomqtt.Message._from_paho_message(message))
@@ -274,25 +318,39 @@ class BusClient:
         raise aiomqtt.MqttError("Disconnected during message iteration") from (
             client._disconnected.exception())
 
-    def defer_ack(self, message: aiomqtt.Message) -> Ack:
-        """Call from the handler: acknowledge `message` later, by calling the returned Ack.
+    def take(self, message: aiomqtt.Message,
+             handling: Callable[[Ack], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
+        """Call from the handler: handle `message` in a task, `handling(ack)`, and return it.
 
-        Until then the broker keeps the message in the session and delivers it
-        again after a reconnect (the agent must then recognise it). An Ack
-        called after its connection is gone does nothing: the new connection
-        gets the message again instead.
+        The message is acknowledged when the task ends, however it ends
+        (returned, raised, cancelled), or earlier, when the task calls `ack`
+        (the coordinator does once a request is journaled); once either way.
+        Until then the broker keeps it in the session and delivers it again
+        after a reconnect (the agent must then recognise it). An Ack called
+        after its connection is gone does nothing: the new connection gets the
+        message again instead.
         """
-        if not self.manual_ack:
-            raise BusError(f"{self.client_id}: defer_ack needs manual_ack=True")
-        self._deferred.add(id(message))
-        return Ack(self, self._client, message.mid, message.qos)
+        delivering = self._delivering
+        if not self.manual_ack or delivering is None or delivering[0] is not message:
+            raise BusError(f"{self.client_id}: take() needs manual_ack=True and is for the "
+                           "message the handler is called with, from the handler")
+        ack = delivering[1]
+        ack.taken = True
+        if ack.qos > 0:
+            self._holding.add(ack)
+            self._check_window()
+        task = asyncio.ensure_future(handling(ack))
+        task.add_done_callback(functools.partial(_handled, ack, message.topic.value))
+        return task
 
-    def _took(self, message: aiomqtt.Message) -> bool:
-        """Whether the handler deferred `message`'s acknowledgement (and forget it)."""
-        if id(message) in self._deferred:
-            self._deferred.discard(id(message))
-            return True
-        return False
+    def _check_window(self) -> None:
+        """Warn, rate-limited, while held messages near the broker's in-flight window."""
+        now = time.monotonic()
+        if self.unacked >= UNACKED_WARN_AT and now - self._warned >= UNACKED_WARN_EVERY_S:
+            self._warned = now
+            log.warning("%s holds %d QoS 1 messages unacknowledged; at %d (the broker's "
+                        "in-flight window) it receives nothing more until it acknowledges "
+                        "some", self.client_id, self.unacked, INFLIGHT_WINDOW)
 
     def _subscribed(self, message: aiomqtt.Message) -> bool:
         # A broker may deliver what matches none of our filters (a stock
@@ -435,19 +493,30 @@ def _write_or_disconnect(client: aiomqtt.Client) -> None:
             client._disconnected.set_exception(exc)
 
 
-@dataclass
+def _handled(ack: Ack, topic: str, task: asyncio.Task[None]) -> None:
+    """A taken message's task ended: acknowledge the message (if it was not already)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("handling a message on %s failed", topic, exc_info=error)
+    ack()
+
+
+@dataclass(eq=False)
 class Ack:
-    """Acknowledges one QoS 1 message on the connection it came in on (see BusClient.defer_ack)."""
+    """Acknowledges one received message, once, on the connection it came in on (a
+    QoS 0 message needs none). Made by BusClient._dispatch for every message."""
 
     bus: BusClient
-    client: aiomqtt.Client | None
+    client: aiomqtt.Client
     mid: int
     qos: int
+    taken: bool = False  # the handler took it into a task (BusClient.take)
     done: bool = False
 
     def __call__(self) -> None:
         if self.done or self.qos == 0:
             return
         self.done = True
-        if self.client is not None and self.client is self.bus._client:
+        self.bus._holding.discard(self)
+        # A message id is the connection's: another connection may use it for another message.
+        if self.client is self.bus._client:
             self.client._client.ack(self.mid, self.qos)

@@ -56,7 +56,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edgebus import frames
-from edgebus.client import Ack, BusClient
+from edgebus.client import BusClient
 from edgebus.errors import BusError, EdgebusError, RequestError
 from edgebus.frames import Frame, Header, Kind
 from edgebus.messages import (
@@ -338,7 +338,7 @@ class Coordinator:
                            (self.topics.cancel_filter, 1)],
             presence=presence(self.topics, self.agent_id, "coordinator", metrics=lambda: {
                 **self.counters, "in_flight": float(len(self._active)),
-                "unsent": float(self.bus.unsent)}),
+                **self.bus.metrics()}),
             # Requests published while the coordinator is down wait in the broker,
             # and one is acknowledged only once it is journaled (or answered).
             persistent=True, manual_ack=True, on_connect=[self._on_connect])
@@ -348,7 +348,7 @@ class Coordinator:
         for entry in self._resume:  # first, so redeliveries of these find them in flight
             self.counters["resumed"] += 1
             self._spawn(self._serve_request(entry.client, entry.payload, entry.response_topic,
-                                            entry.correlation, ack=None, resumed=entry))
+                                            entry.correlation, ack=_nothing, resumed=entry))
         self._resume = []
         try:
             await serve_until(stop, self.bus, self._on_message, self._watch_heartbeats(),
@@ -386,12 +386,11 @@ class Coordinator:
             return
         payload = message.payload if isinstance(message.payload, bytes) else b""
         properties = message.properties
-        ack = bus.defer_ack(message)
-        task = self._spawn(self._serve_request(
+        # Acknowledged once journaled, else when its task ends, whatever its fate.
+        self._track(bus.take(message, lambda ack: self._serve_request(
             client, payload, getattr(properties, "ResponseTopic", None) if properties else None,
             getattr(properties, "CorrelationData", None) if properties else None, ack=ack,
-            retained=bool(message.retain)))
-        task.add_done_callback(functools.partial(_ack_on_failure, ack))
+            retained=bool(message.retain))))
 
     def _on_cancel(self, client: str, payload: bytes) -> None:
         """End `client`'s request before its next step; its answer says `cancelled`.
@@ -601,7 +600,10 @@ class Coordinator:
             gen.result.set_exception(_Lost(why))
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        return self._track(asyncio.ensure_future(coro))  # type: ignore[call-overload]
+
+    def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """Keep `task` among this agent's, cancelled when it stops."""
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -609,13 +611,13 @@ class Coordinator:
     # -- one request -----------------------------------------------------------
 
     async def _serve_request(self, client: str, payload: bytes, response_topic: str | None,
-                             correlation: bytes | None, *, ack: Ack | None,
+                             correlation: bytes | None, *, ack: Callable[[], None],
                              resumed: Entry | None = None, retained: bool = False) -> None:
-        """Answer one request message. `ack` acknowledges it to the broker: called once it is
-        journaled, or answered when it is refused; `resumed`: its entry, if it comes from
-        the journal; `retained`: the broker delivered it as a retained message."""
+        """Answer one request message. `ack` acknowledges it to the broker once it is
+        journaled (BusClient.take acknowledges it when this ends, if not before);
+        `resumed`: its entry, if it comes from the journal; `retained`: the broker
+        delivered it as a retained message."""
         received = time.perf_counter()
-        done: Callable[[], None] = ack if ack is not None else _nothing
         try:
             request = apply_task(parse_request(payload), self.plant.tasks)
             if retained:
@@ -634,7 +636,6 @@ class Coordinator:
                 await self._refuse(reply, _error_response(rid, exc), resumed)
             elif resumed is not None:  # no id to answer: still, never again
                 await asyncio.to_thread(self.journal.remove, resumed.client, resumed.request_id)
-            done()
             return
         reply, refused = self._reply_route(client, request.id, request.reply_to or response_topic,
                                            correlation)
@@ -642,7 +643,6 @@ class Coordinator:
             self.reporter.report("error", f"request {request.id} from {client}: "
                                  f"{refused.message}", request.id)
             await self._refuse(reply, _error_response(request.id, refused), resumed)
-            done()
             return
         key = (client, request.id)
         answer = self._answers.get(key)
@@ -650,7 +650,6 @@ class Coordinator:
             # Sent again (QoS 1, a gateway's retry, or the broker's copy of a
             # journaled request): one generation, one answer. Once answered,
             # the same answer again, for a gateway that may have missed it.
-            done()
             if answer.done():
                 self._respond(reply, answer.result())
             return
@@ -666,7 +665,7 @@ class Coordinator:
 
         async def admitted() -> None:
             nonlocal journaled
-            journaled = await self._journal(request, entry, done, resumed=resumed is not None)
+            journaled = await self._journal(request, entry, ack, resumed=resumed is not None)
 
         if resumed:  # requests came in while the broker is still out of reach
             await self.bus.wait_connected()
@@ -691,7 +690,6 @@ class Coordinator:
             else:
                 self._remember(key, response)
         await self._deliver(reply, response)
-        done()
         if journaled or resumed:
             # Only now: killed before the answer was out, the next run answers it.
             await asyncio.to_thread(self.journal.remove, client, request.id)
@@ -1119,14 +1117,6 @@ class Coordinator:
                 log.warning("answer to %s not delivered yet (%s); waiting for the broker",
                             reply.topic, exc)
                 await self.bus.wait_connected()
-
-
-def _ack_on_failure(ack: Ack, task: asyncio.Task[None]) -> None:
-    """A bug that ends a request's task must not leave its message unacknowledged: each such
-    message would hold a slot of the broker's in-flight window (20 in Mosquitto) for good."""
-    if not task.cancelled() and (error := task.exception()) is not None:
-        log.error("serving a request failed", exc_info=error)
-        ack()
 
 
 def _nothing() -> None:

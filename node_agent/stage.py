@@ -220,7 +220,7 @@ class StageAgent:
     def _metrics(self) -> dict[str, float]:
         caches = list(self.caches.values())  # a snapshot: the worker thread may change the dict
         return {**self.metrics, "queue": float(self.inbox.qsize() + len(self._prompts)),
-                "waiting_bytes": float(self.waiting), "unsent": float(self.bus.unsent),
+                "waiting_bytes": float(self.waiting), **self.bus.metrics(),
                 "requests": float(len(caches)), "kv_bytes": float(sum(c.nbytes for c in caches))}
 
     async def serve(self, stop: asyncio.Event) -> None:
