@@ -17,7 +17,7 @@ from typing import Any
 import aiomqtt
 from pydantic import ValidationError
 
-from edgebus.client import BusClient
+from edgebus.client import INFLIGHT_WINDOW, UNACKED_WARN_AT, BusClient
 from edgebus.errors import EdgebusError
 from edgebus.messages import AgentStatus, Plan
 from plant_config import Plant
@@ -157,13 +157,22 @@ def _row(agent: dict[str, Any]) -> tuple[str, ...]:
         error = error[:_ERROR_CHARS - 1] + "…"
     return (agent["agent_id"], status["role"],
             _num(status["stage"]), f"[{layers[0]}, {layers[1]})" if layers else "-",
-            _engine(status.get("engine")), agent["state"], _duration(agent["age_s"]),
+            _engine(status.get("engine")), _state(agent["state"], m), _duration(agent["age_s"]),
             # A stage's rate is rows: one per request per decode step, one per prompt chunk.
             _num(m.get("rows_per_s" if stage else "tokens_per_s"), ".1f"),
             "-" if "busy" not in m else f"{m['busy']:.0%}",
             _num(m.get("queue")), _num(m.get("requests" if stage else "in_flight")),
             _bytes(m.get("kv_bytes")), _bytes(status["rss_bytes"]),
             _duration(status["uptime_s"]), _drafts(m), error or "-")
+
+
+def _state(state: str, metrics: dict[str, float]) -> str:
+    """The agent's state, flagged while it holds deliveries unacknowledged near the broker's
+    in-flight window: at INFLIGHT_WINDOW it receives nothing more."""
+    unacked = metrics.get("unacked", 0.0)
+    if unacked < UNACKED_WARN_AT:
+        return state
+    return f"{state}, {unacked:.0f}/{INFLIGHT_WINDOW} unacked"
 
 
 def _drafts(metrics: dict[str, float]) -> str:

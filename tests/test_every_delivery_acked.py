@@ -11,20 +11,24 @@ left unacknowledged: Mosquitto through its packet log (`log_type all`),
 the embedded amqtt broker through a plugin that sees each packet
 (tests/brokers.py's PubackLedger). After the burst the count must come back
 to 0 for every agent, and a gateway never seen before must get its answer,
-token-exact against llama.cpp running the GGUF whole.
+token-exact against llama.cpp running the GGUF whole. On Mosquitto a
+PUBACK for no message waiting (a message acknowledged twice) counts as a
+fault too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiomqtt
 import pytest
-from brokers import AmqttBroker, MosquittoBroker, PubackLedger
+from brokers import AmqttBroker, BrokerHandle, MosquittoBroker, PubackLedger
 from pipeline import plant_reference
 from test_hostile_input import fuzz_frame, fuzz_request
 from test_launcher import (
@@ -37,8 +41,12 @@ from test_launcher import (
     watch_statuses,
 )
 
-from edgebus.messages import MAX_REQUEST_BYTES, GenerateRequest
-from plant_config import Plant, write_plant
+from edgebus.client import UNACKED_WARN_AT, Ack, BusClient
+from edgebus.messages import MAX_REQUEST_BYTES, AgentStatus, GenerateRequest
+from edgebus.status_view import table
+from edgebus.topics import Topics
+from node_agent.runtime import presence
+from plant_config import BrokerEndpoint, Plant, write_plant
 
 # About what the issue's attacker sent in a second; far more than the window of 20.
 BURST = 2400
@@ -57,17 +65,24 @@ _ACKED = re.compile(r"Received PUBACK from (\S+) \(Mid: ?(\d+)")
 _CLEAN_CONNECT = re.compile(r"New client connected from \S+ as (\S+) \(p\d+, c1,")
 
 
-def mosquitto_unacknowledged(log: str) -> dict[str, int]:
-    """From Mosquitto's log: per client id, the QoS 1 PUBLISHes sent not PUBACKed yet."""
+def mosquitto_ack_faults(log: str) -> dict[str, int]:
+    """From Mosquitto's log, per client id: the QoS 1 PUBLISHes sent it has not PUBACKed
+    yet, plus the PUBACKs it sent for none (a message acknowledged twice)."""
     waiting: dict[str, set[int]] = {}
+    surplus: dict[str, int] = {}
     for line in log.splitlines():
         if sent := _SENT.search(line):
             waiting.setdefault(sent[1], set()).add(int(sent[2]))
         elif acked := _ACKED.search(line):
-            waiting.get(acked[1], set()).discard(int(acked[2]))
+            mids = waiting.setdefault(acked[1], set())
+            if int(acked[2]) in mids:
+                mids.discard(int(acked[2]))
+            else:
+                surplus[acked[1]] = surplus.get(acked[1], 0) + 1
         elif connected := _CLEAN_CONNECT.search(line):  # a clean session starts empty
             waiting.pop(connected[1], None)
-    return {client: len(mids) for client, mids in waiting.items()}
+    return {client: len(waiting.get(client, ())) + surplus.get(client, 0)
+            for client in waiting.keys() | surplus.keys()}
 
 
 def burst(plant: Plant, rng: random.Random) -> list[tuple[str, bytes]]:
@@ -127,7 +142,7 @@ async def check_plant_stays_answering(plant: Plant, plant_path: Path, workdir: P
                 raise AssertionError(f"no answer within {ANSWER_S:.0f} s; deliveries held "
                                      f"unacknowledged, by agent: {held()}") from None
         unacked = await settled(held)
-        assert not unacked, f"QoS 1 deliveries never acknowledged, by agent: {unacked}"
+        assert not unacked, f"QoS 1 deliveries not acknowledged once, by agent: {unacked}"
     for request, response in ((warm_up, gateway.responses[warm_up.id]),
                               (fresh, newcomer.responses[fresh.id])):
         assert response.error is None, response.error
@@ -140,19 +155,19 @@ async def test_after_a_hostile_burst_mosquitto_holds_nothing_unacknowledged(
         plant_path, plant = plant_file(tiny_llama_gguf, tmp_path, broker=mosquitto.url)
 
         def unacknowledged(client: str) -> int:
-            return mosquitto_unacknowledged(
+            return mosquitto_ack_faults(
                 mosquitto.log_path.read_text(errors="replace")).get(client, 0)
 
         await check_plant_stays_answering(plant, plant_path, tmp_path, unacknowledged)
 
 
 @pytest.fixture
-def ledgered_amqtt() -> AmqttBroker:
+def ledgered_amqtt() -> Iterator[AmqttBroker]:
     """The embedded broker (amqtt) with PubackLedger beside the plugin that admits everyone."""
     broker = AmqttBroker(plugins={"broker.embedded.AllowAllAuthPlugin": {},
                                   f"brokers.{PubackLedger.__name__}": {}})
     broker.start()
-    yield broker  # type: ignore[misc]
+    yield broker
     broker.stop()
 
 
@@ -167,3 +182,55 @@ async def test_after_a_hostile_burst_the_embedded_broker_holds_nothing_unacknowl
     ledger = ledgered_amqtt.plugin(PubackLedger.__name__)
     assert ledger is not None
     await check_plant_stays_answering(plant, plant_path, tmp_path, ledger.unacknowledged)
+
+
+async def test_deliveries_held_near_the_window_are_reported_then_acknowledged(
+        broker: BrokerHandle, caplog: pytest.LogCaptureFixture) -> None:
+    """An agent holding UNACKED_WARN_AT deliveries in tasks says so in its log and in its
+    status (and `edgebus status` flags it); each is acknowledged once its task ends."""
+    endpoint = BrokerEndpoint(host=broker.host, port=broker.port, tls=False, username=None,
+                              password=None, protocol="3.1.1", ca_file=None, keepalive_s=60)
+    topics = Topics(f"edgebus-test/{os.getpid()}")
+    topic = f"{topics.root}/held"
+    release = asyncio.Event()
+
+    async def hold(ack: Ack) -> None:
+        await release.wait()
+
+    bus = BusClient(endpoint, "holder", subscriptions=[(topic, 1)], manual_ack=True,
+                    presence=presence(topics, "holder", "coordinator",
+                                      metrics=lambda: bus.metrics()))
+
+    def take(message: aiomqtt.Message) -> None:
+        bus.take(message, hold)
+
+    running = asyncio.ensure_future(bus.run(take))
+    try:
+        await bus.wait_connected(ANSWER_S)
+        async with aiomqtt.Client(broker.host, broker.port) as sender:
+            await sender.subscribe(topics.status("holder"), qos=1)
+            for i in range(UNACKED_WARN_AT):
+                await sender.publish(topic, str(i), qos=1)
+            async with asyncio.timeout(ANSWER_S):
+                while bus.unacked < UNACKED_WARN_AT:
+                    await asyncio.sleep(POLL_S)
+                await bus.refresh_presence()
+                async for message in sender.messages:
+                    assert isinstance(message.payload, bytes)
+                    status = AgentStatus.model_validate_json(message.payload)
+                    if status.metrics.get("unacked") == UNACKED_WARN_AT:
+                        break
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(f"holds {UNACKED_WARN_AT} QoS 1 messages unacknowledged" in w
+                   for w in warned), warned
+        row = table({"plant_id": "p", "topic_root": topics.root, "plan": None, "agents": [
+            {"agent_id": "holder", "state": "online", "age_s": 0.0,
+             "status": status.model_dump()}]})
+        assert f"online, {UNACKED_WARN_AT}/20 unacked" in row, row
+        release.set()
+        async with asyncio.timeout(ANSWER_S):
+            while bus.unacked:
+                await asyncio.sleep(POLL_S)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
