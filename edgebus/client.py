@@ -502,8 +502,9 @@ def _handled(ack: Ack, topic: str, task: asyncio.Task[None]) -> None:
 
 @dataclass(eq=False)
 class Ack:
-    """Acknowledges one received message, once, on the connection it came in on (a
-    QoS 0 message needs none). Made by BusClient._dispatch for every message."""
+    """Acknowledges one received message, once, on the connection it came in on. Made by
+    BusClient._dispatch for every message; a no-op (qos 0) for a QoS 0 message, and for
+    every message of a client without manual_ack, which paho acknowledges itself."""
 
     bus: BusClient
     client: aiomqtt.Client
