@@ -7,6 +7,7 @@ is what a PLC gateway does.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import Callable
 
@@ -14,8 +15,11 @@ import aiomqtt
 
 from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse, StreamDelta
+from edgebus.messages import GenerateRequest, GenerateResponse, StreamDelta
+from edgebus.statuses import StatusReader
 from plant_config import Plant
+
+log = logging.getLogger(__name__)
 
 # How long to wait for the coordinator's retained "online" status. A request
 # published before it subscribes would be lost (no persistent session yet).
@@ -44,12 +48,14 @@ async def ask(plant: Plant, request: GenerateRequest, *, client_id: str | None =
     status_topic = topics.status(plant.coordinator.id)
     online = asyncio.Event()
     done: asyncio.Future[GenerateResponse] = asyncio.get_running_loop().create_future()
+    statuses = StatusReader(log.warning)
 
     def on_message(message: aiomqtt.Message) -> None:
         payload = message.payload if isinstance(message.payload, bytes) else b""
         topic = message.topic.value
         if topic == status_topic:
-            if AgentStatus.model_validate_json(payload).state == "online":
+            status = statuses.read(plant.coordinator.id, payload, "coordinator")
+            if status is not None and status.state == "online":
                 online.set()
         elif topic == response_topic and not done.done():
             done.set_result(GenerateResponse.model_validate_json(payload))

@@ -45,13 +45,12 @@ from types import TracebackType
 from typing import IO, Literal, TextIO
 
 import aiomqtt
-from pydantic import ValidationError
 
 from broker.exposure import refuse_open_listener
 from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus
 from edgebus.processes import child_setup, cores
+from edgebus.statuses import StatusReader
 from plant_config import Plant, load_plant
 
 # amqtt listens ~0.2 s after its interpreter starts here; the margin is for a
@@ -433,6 +432,7 @@ class StatusWatch:
         # late, after the restarted agent's birth, belongs to an older session.
         self._pids: dict[str, int | None] = {}
         self._bdseq: dict[str, int] = {}
+        self._statuses = StatusReader(lambda text: _say(text, error=True))
         plant = processes.plant
         self.topics = plant.topics
         self.bus = BusClient(plant.ops_endpoint(), plant.ops_client_id("up"),
@@ -450,14 +450,12 @@ class StatusWatch:
             await asyncio.gather(self._runner, return_exceptions=True)
 
     def _on_message(self, message: aiomqtt.Message) -> None:
-        # Whose status it is comes from the topic, which only that agent may write.
         agent = self.topics.agent_of_status_topic(message.topic.value)
         if agent is None or not isinstance(message.payload, bytes | str):
             return
-        try:
-            status = AgentStatus.model_validate_json(message.payload)
-        except ValidationError:
-            return  # not an agent status, so nothing to watch
+        status = self._statuses.read(agent, message.payload)
+        if status is None:
+            return  # not this agent's status, so nothing to watch
         if status.bdseq < self._bdseq.get(agent, 0):
             return
         self._bdseq[agent] = status.bdseq

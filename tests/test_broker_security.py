@@ -532,7 +532,7 @@ async def test_another_identitys_client_id_does_not_silence_the_coordinator(
 async def test_a_status_speaks_only_for_the_agent_its_topic_names(
         tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A stage node may write its own status only, whatever its JSON claims: a claim to be
-    another stage, or a coordinator instance, is taken as the stage's own status."""
+    another stage, or a coordinator instance, is dropped and changes nothing."""
     caplog.set_level(logging.INFO)
     plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
                           model=tiny_llama)
@@ -560,7 +560,8 @@ async def test_a_status_speaks_only_for_the_agent_its_topic_names(
     assert response.tokens == reference_tokens(tiny_llama, request)
     assert "stage-1 went offline" not in seen
     assert "coordinator.b is offline" not in seen  # no drain of a peer
-    assert "stage node stage-0 went offline" in seen  # the lies, read as stage-0's
+    assert "stage node stage-0 went offline" not in seen  # nor taken as stage-0's own
+    assert "on the status topic of stage-0 that claim agent_id 'stage-1'" in seen
 
 
 # `edgebus ask` runs at once as one gateway: what reproduced the broadcast race.
