@@ -74,6 +74,19 @@ def _init(args: argparse.Namespace) -> None:
         print(f"the broker at {plant.broker.url} must check them: on its box run `edgebus "
               f"broker mosquitto-config {args.plant} OUTDIR` (docs/deploy.md, 'Securing the "
               "broker')")
+    _warn_if_in_package([security.credentials, *([security.password_file.parent]
+                                                  if security.password_file else [])])
+
+
+def _warn_if_in_package(folders: list[Path]) -> None:
+    """Say so when secrets went into a Python package (`init` in a source tree's root writes
+    broker/ into edgebus's own `broker` package): a commit or a wheel would carry them."""
+    for folder in folders:
+        if (folder / "__init__.py").exists():
+            print(f"warning: {folder} is a Python package (it has __init__.py), and now holds "
+                  "credentials: a commit or a package build of that source tree would take "
+                  "them along. Keep plant files in a folder of their own, e.g. `edgebus init "
+                  "~/plants/line-1/plant.yaml ...`", file=sys.stderr)
 
 
 def _gateways(text: str) -> list[str]:
@@ -97,7 +110,7 @@ def _init_example(args: argparse.Namespace, gateways: list[str]) -> Plant:
                           topic_root=args.topic_root, weights=args.weights)
     plant = _drafts(_kv_budgets(plant), args.drafts)
     if not args.insecure:
-        plant = with_security(plant, Path(args.plant).resolve().parent, gateways=gateways)
+        plant = with_security(plant, Path(args.plant), gateways=gateways)
     return write_new_plant(plant, args.plant, force=args.force)
 
 
