@@ -10,8 +10,13 @@ holds it to llama-cpp-python's `Llama.generate`.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -149,6 +154,42 @@ def test_llama_cpp_keeps_off_its_amx_kernels_where_this_cpu_faults_in_them() -> 
     params = library.llama().llama_model_default_params()
     built_with_amx = "AMX_INT8 = 1" in library.system_info()
     assert params.use_extra_bufts is not (built_with_amx and fault != 0)
+
+
+# A stage that ends before the model's last layer: its output is captured by the C callback.
+_CAPTURED_STAGE = """
+import sys, torch
+from pathlib import Path
+from node_agent.engines import ContextShape, load_engine
+stage = load_engine(Path(sys.argv[1]), 0, 1, weights="gguf", threads=1,
+                    shape=ContextShape(kv_budget_bytes=2**20, positions=16, batch_positions=16))
+out = stage.step([torch.tensor([[1, 504, 3295]])], [stage.new_cache(0)], [0])[0]
+print(repr(out.flatten().tolist()))
+print(sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if "libggml-base" in line}))
+"""
+
+
+def test_a_llama_cpp_in_llama_cpp_lib_path_is_the_one_the_capture_calls(
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """A build of llama.cpp outside llama-cpp-python's package, named by LLAMA_CPP_LIB_PATH
+    as llama_cpp.py reads it, is the only ggml a stage maps, and captures what the
+    package's build captures."""
+    own = tmp_path / "build"
+    shutil.copytree(library.library_dir(), own, symlinks=True)
+
+    def run(env: dict[str, str]) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", _CAPTURED_STAGE, str(tiny_llama_gguf)],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+    packaged = run({})
+    moved = run({library.LIB_PATH_VARIABLE: str(own)})
+    assert moved[0] == packaged[0]
+    mapped = [Path(path) for path in ast.literal_eval(moved[1])]
+    assert mapped and all(path.parent == own.resolve() for path in mapped), mapped
 
 
 def test_a_stage_file_holds_its_layers_only(smollm2_dir: Path) -> None:
