@@ -72,11 +72,6 @@ _TAIL_BYTES = 64 * 1024
 # How long one broker probe waits for a CONNACK.
 _PROBE_TIMEOUT_S = 1.0
 BROKER_NAME = "broker"
-# A SIGILL is a CPU refusing an instruction a library was compiled for; with llama.cpp
-# built for the box (-march=native) that is an Intel VM advertising AMX it cannot run.
-SIGILL_HINT = (": the CPU refused an instruction its libraries were built for. On an Intel "
-               "VM that advertises AMX, rebuild llama-cpp-python without it "
-               "(docs/deploy.md#llamacpp-on-the-box-weights-gguf)")
 # A dead agent starts again after this, doubled for each earlier death within
 # RESTART_WINDOW_S (1, 2, 4, 8 s), as systemd's RestartSec= with RestartSteps=
 # does: the first restart is quick, so a standby's load falls back soon, and a
@@ -292,8 +287,10 @@ class PlantProcesses:
                 how = f"was killed by {signal.Signals(-code).name}"
             except ValueError:
                 how = f"was killed by signal {-code}"
-            if -code == signal.SIGILL:
-                how += SIGILL_HINT
+            if -code == signal.SIGILL:  # a CPU refusing an instruction a library was built for
+                from node_agent.engines.llamacpp.rebuild_hint import sigill_hint
+
+                how += sigill_hint()
         elif code == 0:
             how = "exited cleanly (code 0)"
         else:

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -43,7 +44,7 @@ from node_agent.engines import (
     with_kv_budgets,
 )
 from node_agent.engines.base import CacheFull
-from node_agent.engines.llamacpp import library, stage_gguf
+from node_agent.engines.llamacpp import library, rebuild_hint, stage_gguf
 from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, MODEL_GGUF
 from node_agent.model_config import kv_bytes_per_token
 from plant_config import Plant, make_plant
@@ -154,6 +155,43 @@ def test_llama_cpp_keeps_off_its_amx_kernels_where_this_cpu_faults_in_them() -> 
     params = library.llama().llama_model_default_params()
     built_with_amx = "AMX_INT8 = 1" in library.system_info()
     assert params.use_extra_bufts is not (built_with_amx and fault != 0)
+
+
+def test_pip_installs_the_llama_cpp_python_the_engine_is_written_against() -> None:
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pins = [r for r in project["project"]["dependencies"] if r.startswith("llama-cpp-python")]
+    assert pins == [f"llama-cpp-python=={library.PINNED}"]
+
+
+# /proc/cpuinfo's Features of a Pi 4's Cortex-A72 and a Pi 5's Cortex-A76 (as Linux lists them).
+CORTEX_A72 = "Features\t: fp asimd evtstrm crc32 cpuid"
+CORTEX_A76 = ("Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid "
+              "asimdrdm lrcpc dcpop asimddp ssbs")
+
+
+def test_the_sigill_hint_names_the_arm_features_the_build_assumed_and_the_build_that_fits(
+        ) -> None:
+    """A build for the Pi 5 on a Pi 4 died of SIGILL, and `up` advised rebuilding without AMX."""
+    pi5_build = {"dotprod", "fp16_va"}
+    on_pi4 = rebuild_hint.hint("aarch64", rebuild_hint.ARM,
+                               rebuild_hint.cpu_flags(CORTEX_A72), pi5_build)
+    assert "built for dotprod, fp16, which this aarch64 CPU lacks" in on_pi4
+    assert "-DGGML_CPU_ARM_ARCH=armv8-a\"" in on_pi4 and "AMX" not in on_pi4
+    unknown_on_pi5 = rebuild_hint.hint("aarch64", rebuild_hint.ARM,
+                                       rebuild_hint.cpu_flags(CORTEX_A76), None)
+    assert "this aarch64 CPU has dotprod, fp16." in unknown_on_pi5
+    assert "-DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16\"" in unknown_on_pi5
+    assert f"llama-cpp-python=={library.PINNED}" in unknown_on_pi5
+
+
+def test_the_sigill_hint_reads_what_this_build_was_compiled_for() -> None:
+    """ggml's own report, from a child process, as llama.cpp's system info gives it."""
+    built = rebuild_hint.built_for(rebuild_hint.X86)
+    info = library.system_info()
+    assert built is not None
+    assert ("avx2" in built) == ("AVX2 = 1" in info)
+    assert ("avx512" in built) == ("AVX512 = 1" in info)
+    assert ("amx_int8" in built) == ("AMX_INT8 = 1" in info)
 
 
 # A stage that ends before the model's last layer: its output is captured by the C callback.
