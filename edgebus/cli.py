@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import get_args
 
 from edgebus.errors import EdgebusError
+from edgebus.intermixed import IntermixedParser
 from plant_config.examples import EXAMPLES
 from plant_config.loader import DEFAULT_GATEWAYS
 from plant_config.schema import GGUF_SUFFIX, Plant, WeightMode, resolve_engine
@@ -394,7 +395,8 @@ def _bench(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgebus", description="Pipeline-parallel LLM inference for edge boxes, over MQTT.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=IntermixedParser)
 
     p = sub.add_parser("init", help="write a plant file with an even layer split, or an "
                                     "example plant split by the planner")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from brokers import free_port
 
 from edgebus.ask import BROKER_WAIT_S
@@ -32,6 +33,14 @@ def test_every_argument_has_help() -> None:
     assert missing == []
 
 
+@pytest.mark.parametrize("argv", [["ask", "plant.yaml", "--raw", "Alarm 4711", "--json"],
+                                  ["ask", "--raw", "plant.yaml", "Alarm 4711"],
+                                  ["ask", "plant.yaml", "Alarm 4711", "--raw"]])
+def test_options_and_positionals_come_in_any_order(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert (args.plant, args.text, args.raw) == ("plant.yaml", "Alarm 4711", True)
+
+
 def test_model_bundled_names_the_gguf_the_readme_imports() -> None:
     printed = subprocess.run([sys.executable, "-m", "edgebus", "model", "bundled"],
                              capture_output=True, text=True, check=True).stdout.strip()
@@ -47,8 +56,10 @@ def test_ask_with_no_broker_says_so_within_seconds(tiny_llama: Path, tmp_path: P
     plant = plant.model_copy(update={"broker": plant.broker.model_copy(
         update={"host": LOOPBACK, "port": free_port()})})
     write_plant(plant, tmp_path / "plant.yaml")
+    # The text after an option, as users type it: once refused ("unrecognized arguments").
     asked = subprocess.run([sys.executable, "-m", "edgebus", "ask", str(tmp_path / "plant.yaml"),
-                            "Hello"], capture_output=True, text=True, timeout=BROKER_WAIT_S * 12)
+                            "--raw", "Hello"], capture_output=True, text=True,
+                           timeout=BROKER_WAIT_S * 12)
     assert asked.returncode != 0
     assert f"no MQTT broker answers at {LOOPBACK}:{plant.broker.port}" in asked.stderr
     assert "edgebus up" in asked.stderr and "coordinator" not in asked.stderr
