@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 from typing import get_args
@@ -30,9 +32,12 @@ PLANT_HELP = "the plant file (plant.yaml, written by `edgebus init`)"
 
 def _init(args: argparse.Namespace) -> None:
     from broker.mosquitto_config import write_credentials
+    from edgebus.gateways.api_keys import ensure_api_keys, key_path
     from plant_config import init_plant_file
+    from plant_config.loader import refuse_to_overwrite
 
     gateways = _gateways(args.gateways)
+    refuse_to_overwrite(args.plant, force=args.force)  # before --example profiles the model
     if args.weights is None:  # a GGUF file runs on llama.cpp only (plant_config/schema.py)
         args.weights = "gguf" if Path(args.model).suffix.lower() == GGUF_SUFFIX else "fp32"
     if args.example is not None:
@@ -46,17 +51,21 @@ def _init(args: argparse.Namespace) -> None:
             replicas=1 if args.replicas is None else args.replicas, weights=args.weights,
             secure=not args.insecure, gateways=gateways,
             finish=lambda made: _drafts(_kv_budgets(made), args.drafts))
+    # Everything is written before anything is said: a reader that leaves early (`| head -3`)
+    # must not leave a plant file without its passwords.
+    security = plant.security
+    written = write_credentials(plant) if security is not None else []
+    if security is not None:
+        ensure_api_keys(security.credentials, security.api_keys)
     print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers"
           + (", weights: gguf, run by llama.cpp from the file as it is"
              if plant.model.suffix.lower() == GGUF_SUFFIX else ""))
     for stage in plant.pipeline:
         print(f"  layers [{stage.layers[0]}, {stage.layers[1]}): {', '.join(stage.node_ids)}")
-    if plant.security is None:
+    if security is None:
         print("security: none (--insecure): the broker admits anyone who reaches it, so it "
               "listens on the loopback only, and every agent warns at start")
         return
-    security = plant.security
-    written = write_credentials(plant)
     passwords = [path for path in written if path.parent == security.credentials]
     kept = len(plant.identities()) - len(passwords)
     print(f"wrote {len(passwords)} passwords (mode 600) into {security.credentials}"
@@ -65,9 +74,6 @@ def _init(args: argparse.Namespace) -> None:
     print(f"security: every agent, gateway ({', '.join(security.gateways)}) and ops tool "
           f"({', '.join(security.ops)}) logs in as itself with its own password; the broker "
           "admits nobody else")
-    from edgebus.gateways.api_keys import ensure_api_keys, key_path
-
-    ensure_api_keys(security.credentials, security.api_keys)
     print("`edgebus http` asks for an API key: "
           + ", ".join(str(key_path(security.credentials, name)) for name in security.api_keys)
           + " (docs/http.md)")
@@ -599,5 +605,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader of the output left (`| head -3`): nothing more to say, and no traceback.
+        # Python flushes stdout again on exiting, into the same broken pipe: /dev/null instead.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)  # what a shell reports of a tool the pipe ended
 
 

@@ -190,11 +190,17 @@ def write_new_plant(plant: Plant, path: str | os.PathLike[str], *, force: bool =
     how a PLC asks (docs/plant-file.md, "Task templates") and the Node-RED
     flow in docs/examples answers out of the box.
     """
+    refuse_to_overwrite(path, force=force)
+    write_plant(plant.model_copy(update={"tasks": plant.tasks or EXAMPLE_TASKS}), path)
+    return load_plant(path)
+
+
+def refuse_to_overwrite(path: str | os.PathLike[str], *, force: bool) -> None:
+    """PlantConfigError if a file is at `path` and not `force`: `init` checks this before it
+    profiles a model (`--example`: seconds to minutes), and again when it writes."""
     if Path(path).exists() and not force:
         raise PlantConfigError(f"{os.fspath(path)}: already exists — not overwriting it; "
                                "remove it first or use --force")
-    write_plant(plant.model_copy(update={"tasks": plant.tasks or EXAMPLE_TASKS}), path)
-    return load_plant(path)
 
 
 def _read_yaml(path: Path, source: str) -> dict[str, Any]:

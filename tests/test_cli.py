@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,8 @@ from brokers import free_port
 from edgebus.ask import BROKER_WAIT_S
 from edgebus.cli import build_parser, mosquitto_config_parser
 from edgebus.processes import LOOPBACK
-from plant_config import make_plant, write_plant
+from plant_config import load_plant, make_plant, write_plant
+from plant_config.credentials import password_path
 
 
 def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -63,3 +66,36 @@ def test_ask_with_no_broker_says_so_within_seconds(tiny_llama: Path, tmp_path: P
     assert asked.returncode != 0
     assert f"no MQTT broker answers at {LOOPBACK}:{plant.broker.port}" in asked.stderr
     assert "edgebus up" in asked.stderr and "coordinator" not in asked.stderr
+
+
+def test_init_whose_reader_left_writes_the_whole_plant_without_a_traceback(
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """`edgebus init ... | head -3`: once a BrokenPipeError traceback, after the plant file and
+    before its passwords. Here the reader has left before init says anything."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        done = subprocess.run([sys.executable, "-m", "edgebus", "init", str(tmp_path / "p.yaml"),
+                               "--model", str(tiny_llama_gguf)], stdout=writer,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(writer)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 128 + signal.SIGPIPE
+    plant = load_plant(tmp_path / "p.yaml")
+    assert plant.security is not None
+    missing = [i for i in plant.identities()
+               if not password_path(plant.security.credentials, i).exists()]
+    assert missing == []
+
+
+def test_init_onto_an_existing_file_refuses_before_profiling_the_model(tmp_path: Path) -> None:
+    """--example profiles the model first (24 s of the bundled one): the refusal comes before,
+    so a model that is not there is never even looked at."""
+    (tmp_path / "plant.yaml").write_text("kept: true\n")
+    done = subprocess.run([sys.executable, "-m", "edgebus", "init", str(tmp_path / "plant.yaml"),
+                           "--model", str(tmp_path / "no-model.gguf"), "--example", "jetson-2pi"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "already exists — not overwriting it" in done.stderr, done.stderr
+    assert (tmp_path / "plant.yaml").read_text() == "kept: true\n"
