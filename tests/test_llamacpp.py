@@ -196,13 +196,14 @@ def test_the_sigill_hint_reads_what_this_build_was_compiled_for() -> None:
 
 # A stage that ends before the model's last layer: its output is captured by the C callback.
 _CAPTURED_STAGE = """
-import sys, torch
+import sys
 from pathlib import Path
+import numpy as np
 from node_agent.engines import ContextShape, load_engine
 stage = load_engine(Path(sys.argv[1]), 0, 1, weights="gguf", threads=1,
                     shape=ContextShape(kv_budget_bytes=2**20, positions=16, batch_positions=16))
-out = stage.step([torch.tensor([[1, 504, 3295]])], [stage.new_cache(0)], [0])[0]
-print(repr(out.flatten().tolist()))
+out = stage.run([np.array([[1, 504, 3295]])], [stage.new_cache(0)], [0])[0]
+print(repr(np.asarray(out).flatten().tolist()))
 print(sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
               if "libggml-base" in line}))
 """
