@@ -450,7 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("--id", required=True, help="node id from the plant file")
     p.add_argument("--threads", type=int,
-                   help="torch threads (default: the plant file's, else all cores)")
+                   help="threads the stage computes on, in llama.cpp or torch (default: the "
+                        "plant file's threads:, else all cores for llama.cpp, and for torch "
+                        "and onnxruntime the count this box measured fastest)")
     p.set_defaults(run=_node)
 
     p = sub.add_parser("coordinator", help="run the coordinator agent")
@@ -514,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the coordinator's request_timeout_s + stage_wait_s)")
     p.add_argument("--max-in-flight", type=int, metavar="N",
                    help="requests in flight at once; more get 429 (default: the "
-                        "coordinator's max_in_flight)")
+                        "coordinator's max_in_flight_per_client, else 3/4 of its "
+                        "max_in_flight)")
     p.set_defaults(run=_http)
 
     p = sub.add_parser("rehearse", help="run the plant on this machine, each box a network "

@@ -15,7 +15,7 @@ from brokers import free_port
 from edgebus.ask import BROKER_WAIT_S
 from edgebus.cli import build_parser, mosquitto_config_parser
 from edgebus.processes import LOOPBACK
-from plant_config import load_plant, make_plant, write_plant
+from plant_config import CoordinatorSpec, load_plant, make_plant, write_plant
 from plant_config.credentials import password_path
 
 
@@ -99,3 +99,30 @@ def test_init_onto_an_existing_file_refuses_before_profiling_the_model(tmp_path:
     assert done.returncode == 2
     assert "already exists — not overwriting it" in done.stderr, done.stderr
     assert (tmp_path / "plant.yaml").read_text() == "kept: true\n"
+
+
+def test_a_stage_whose_engine_needs_the_torch_extra_says_so(tiny_llama: Path,
+                                                            tmp_path: Path) -> None:
+    """`weights: int8` (onnxruntime) on a base install died of ModuleNotFoundError 'onnx'.
+    Here onnx is made unimportable as Python's import system allows (None in sys.modules)."""
+    plant = make_plant(tiny_llama, stages=1, plant_id="noonnx", weights="int8")
+    write_plant(plant, tmp_path / "plant.yaml")
+    code = ("import sys; sys.modules['onnx'] = None; from edgebus.cli import main; "
+            f"main(['node', {str(tmp_path / 'plant.yaml')!r}, '--id', 'stage-0'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "engine onnxruntime (weights: int8) needs the `torch` extra" in done.stderr
+    assert 'pip install torch==2.13.0 "edgebus[torch]"' in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_help_says_what_the_defaults_are() -> None:
+    """`node --threads` is llama.cpp's too; `http --max-in-flight` defaults to the gateway's
+    share (client_limit), not the coordinator's whole max_in_flight."""
+    helps = {f"{parser.prog} {action.dest}": action.help or ""
+             for parser in _parsers(build_parser()) for action in parser._actions}
+    assert "llama.cpp" in helps["edgebus node threads"]
+    assert "torch threads" not in helps["edgebus node threads"]
+    assert "3/4 of its max_in_flight" in helps["edgebus http max_in_flight"]
+    assert CoordinatorSpec(max_in_flight=8).client_limit == 6  # what the help says
