@@ -299,8 +299,11 @@ def _ask(args: argparse.Namespace) -> None:
     def show(delta: str) -> None:
         print(delta, end="", flush=True)
 
+    def waiting(text: str) -> None:
+        print(f"edgebus ask: {text}", file=sys.stderr, flush=True)
+
     response = asyncio.run(ask(plant, request, client_id=args.client,
-                               on_delta=show if args.stream else None))
+                               on_delta=show if args.stream else None, on_wait=waiting))
     if args.json:
         print(response.model_dump_json(indent=2))
     elif response.error is not None:

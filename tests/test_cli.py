@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from brokers import free_port
+from brokers import MosquittoBroker, free_port
 
-from edgebus.ask import BROKER_WAIT_S
+from edgebus.ask import BROKER_WAIT_S, COORDINATOR_WAIT_S
 from edgebus.cli import build_parser, mosquitto_config_parser
 from edgebus.processes import LOOPBACK
 from plant_config import CoordinatorSpec, load_plant, make_plant, write_plant
@@ -126,3 +126,25 @@ def test_the_help_says_what_the_defaults_are() -> None:
     assert "torch threads" not in helps["edgebus node threads"]
     assert "3/4 of its max_in_flight" in helps["edgebus http max_in_flight"]
     assert CoordinatorSpec(max_in_flight=8).client_limit == 6  # what the help says
+
+
+def test_ask_says_it_waits_for_a_coordinator_that_is_not_online(
+        tiny_llama: Path, tmp_path: Path, mosquitto_broker: MosquittoBroker) -> None:
+    """A broker and no coordinator: `ask` waited COORDINATOR_WAIT_S in silence, then said so.
+    It says what it waits for at once; the test stops it there."""
+    plant = make_plant(tiny_llama, stages=1, plant_id="nocoord", broker=mosquitto_broker.url)
+    write_plant(plant, tmp_path / "plant.yaml")
+    asking = subprocess.Popen([sys.executable, "-m", "edgebus", "ask",
+                               str(tmp_path / "plant.yaml"), "Hello"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert asking.stderr is not None
+        said = ""
+        while "waiting up to" not in said and asking.poll() is None:
+            said = asking.stderr.readline()
+    finally:
+        asking.kill()
+        asking.wait()
+    assert (f"coordinator 'coordinator' is not online (its status at "
+            f"{plant.topics.status('coordinator')} is not there): waiting up to "
+            f"{COORDINATOR_WAIT_S:.0f} s") in said
