@@ -23,7 +23,7 @@ from broker.passwd import hash_password, password_file
 from edgebus.errors import EdgebusError
 from plant_config import Plant
 from plant_config.credentials import SECRET_DIR_MODE, SECRET_MODE, ensure_passwords, password_path
-from plant_config.schema import BrokerSettings, BrokerTls
+from plant_config.schema import BrokerSettings, BrokerTls, Security
 
 CONF_NAME = "mosquitto.conf"
 PASSWD_NAME = "passwd"
@@ -126,9 +126,7 @@ def write_mosquitto_config(plant: Plant, outdir: Path, *, broker: str | None = N
     else:
         known = ", ".join(repr(name) for name in plant.brokers) or "none"
         raise EdgebusError(f"no broker {broker!r} in the plant file's brokers: (names: {known})")
-    passwords = ensure_passwords(security.credentials, plant.identities())
-    files = {PASSWD_NAME: password_file({identity: hash_password(password)
-                                         for identity, password in passwords.items()})}
+    files = {PASSWD_NAME: _hashes(plant, security)}
     # The embedded broker takes the rules from the plant file and only needs the
     # password file (security.password_file); the rest is Mosquitto's.
     if not settings.embedded:
@@ -143,6 +141,13 @@ def write_mosquitto_config(plant: Plant, outdir: Path, *, broker: str | None = N
         files[ACL_NAME] = acl_text(plant)
     outdir.mkdir(mode=SECRET_DIR_MODE, parents=True, exist_ok=True)
     return [_write_secret(outdir / name, text) for name, text in files.items()]
+
+
+def _hashes(plant: Plant, security: Security) -> str:
+    """The password file's text: every identity's hash, making the passwords it lacks."""
+    passwords = ensure_passwords(security.credentials, plant.identities())
+    return password_file({identity: hash_password(password)
+                          for identity, password in passwords.items()})
 
 
 def _write_secret(path: Path, text: str) -> Path:
@@ -172,7 +177,6 @@ def write_credentials(plant: Plant) -> list[Path]:
     if security.password_file is None:
         ensure_passwords(security.credentials, plant.identities())
         return made
-    if security.password_file.name != PASSWD_NAME:
-        raise EdgebusError(f"security.password_file is {security.password_file}; edgebus writes "
-                           f"it as {PASSWD_NAME}: name OUTDIR/{PASSWD_NAME} there")
-    return [*made, *write_mosquitto_config(plant, security.password_file.parent)]
+    _check_config_safe(plant)
+    security.password_file.parent.mkdir(mode=SECRET_DIR_MODE, parents=True, exist_ok=True)
+    return [*made, _write_secret(security.password_file, _hashes(plant, security))]

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 from typing import get_args
 
 from edgebus.errors import EdgebusError
+from edgebus.intermixed import IntermixedParser
 from plant_config.examples import EXAMPLES
 from plant_config.loader import DEFAULT_GATEWAYS
 from plant_config.schema import GGUF_SUFFIX, Plant, WeightMode, resolve_engine
@@ -29,9 +32,12 @@ PLANT_HELP = "the plant file (plant.yaml, written by `edgebus init`)"
 
 def _init(args: argparse.Namespace) -> None:
     from broker.mosquitto_config import write_credentials
+    from edgebus.gateways.api_keys import ensure_api_keys, key_path
     from plant_config import init_plant_file
+    from plant_config.loader import refuse_to_overwrite
 
     gateways = _gateways(args.gateways)
+    refuse_to_overwrite(args.plant, force=args.force)  # before --example profiles the model
     if args.weights is None:  # a GGUF file runs on llama.cpp only (plant_config/schema.py)
         args.weights = "gguf" if Path(args.model).suffix.lower() == GGUF_SUFFIX else "fp32"
     if args.example is not None:
@@ -45,17 +51,21 @@ def _init(args: argparse.Namespace) -> None:
             replicas=1 if args.replicas is None else args.replicas, weights=args.weights,
             secure=not args.insecure, gateways=gateways,
             finish=lambda made: _drafts(_kv_budgets(made), args.drafts))
+    # Everything is written before anything is said: a reader that leaves early (`| head -3`)
+    # must not leave a plant file without its passwords.
+    security = plant.security
+    written = write_credentials(plant) if security is not None else []
+    if security is not None:
+        ensure_api_keys(security.credentials, security.api_keys)
     print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers"
           + (", weights: gguf, run by llama.cpp from the file as it is"
              if plant.model.suffix.lower() == GGUF_SUFFIX else ""))
     for stage in plant.pipeline:
         print(f"  layers [{stage.layers[0]}, {stage.layers[1]}): {', '.join(stage.node_ids)}")
-    if plant.security is None:
+    if security is None:
         print("security: none (--insecure): the broker admits anyone who reaches it, so it "
               "listens on the loopback only, and every agent warns at start")
         return
-    security = plant.security
-    written = write_credentials(plant)
     passwords = [path for path in written if path.parent == security.credentials]
     kept = len(plant.identities()) - len(passwords)
     print(f"wrote {len(passwords)} passwords (mode 600) into {security.credentials}"
@@ -64,9 +74,6 @@ def _init(args: argparse.Namespace) -> None:
     print(f"security: every agent, gateway ({', '.join(security.gateways)}) and ops tool "
           f"({', '.join(security.ops)}) logs in as itself with its own password; the broker "
           "admits nobody else")
-    from edgebus.gateways.api_keys import ensure_api_keys, key_path
-
-    ensure_api_keys(security.credentials, security.api_keys)
     print("`edgebus http` asks for an API key: "
           + ", ".join(str(key_path(security.credentials, name)) for name in security.api_keys)
           + " (docs/http.md)")
@@ -74,6 +81,19 @@ def _init(args: argparse.Namespace) -> None:
         print(f"the broker at {plant.broker.url} must check them: on its box run `edgebus "
               f"broker mosquitto-config {args.plant} OUTDIR` (docs/deploy.md, 'Securing the "
               "broker')")
+    _warn_if_in_package([security.credentials, *([security.password_file.parent]
+                                                  if security.password_file else [])])
+
+
+def _warn_if_in_package(folders: list[Path]) -> None:
+    """Say so when secrets went into a Python package (`init` in a source tree's root writes
+    broker/ into edgebus's own `broker` package): a commit or a wheel would carry them."""
+    for folder in folders:
+        if (folder / "__init__.py").exists():
+            print(f"warning: {folder} is a Python package (it has __init__.py), and now holds "
+                  "credentials: a commit or a package build of that source tree would take "
+                  "them along. Keep plant files in a folder of their own, e.g. `edgebus init "
+                  "~/plants/line-1/plant.yaml ...`", file=sys.stderr)
 
 
 def _gateways(text: str) -> list[str]:
@@ -97,7 +117,7 @@ def _init_example(args: argparse.Namespace, gateways: list[str]) -> Plant:
                           topic_root=args.topic_root, weights=args.weights)
     plant = _drafts(_kv_budgets(plant), args.drafts)
     if not args.insecure:
-        plant = with_security(plant, Path(args.plant).resolve().parent, gateways=gateways)
+        plant = with_security(plant, Path(args.plant), gateways=gateways)
     return write_new_plant(plant, args.plant, force=args.force)
 
 
@@ -279,8 +299,11 @@ def _ask(args: argparse.Namespace) -> None:
     def show(delta: str) -> None:
         print(delta, end="", flush=True)
 
+    def waiting(text: str) -> None:
+        print(f"edgebus ask: {text}", file=sys.stderr, flush=True)
+
     response = asyncio.run(ask(plant, request, client_id=args.client,
-                               on_delta=show if args.stream else None))
+                               on_delta=show if args.stream else None, on_wait=waiting))
     if args.json:
         print(response.model_dump_json(indent=2))
     elif response.error is not None:
@@ -381,7 +404,8 @@ def _bench(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgebus", description="Pipeline-parallel LLM inference for edge boxes, over MQTT.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=IntermixedParser)
 
     p = sub.add_parser("init", help="write a plant file with an even layer split, or an "
                                     "example plant split by the planner")
@@ -429,7 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plant", help=PLANT_HELP)
     p.add_argument("--id", required=True, help="node id from the plant file")
     p.add_argument("--threads", type=int,
-                   help="torch threads (default: the plant file's, else all cores)")
+                   help="threads the stage computes on, in llama.cpp or torch (default: the "
+                        "plant file's threads:, else all cores for llama.cpp, and for torch "
+                        "and onnxruntime the count this box measured fastest)")
     p.set_defaults(run=_node)
 
     p = sub.add_parser("coordinator", help="run the coordinator agent")
@@ -493,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the coordinator's request_timeout_s + stage_wait_s)")
     p.add_argument("--max-in-flight", type=int, metavar="N",
                    help="requests in flight at once; more get 429 (default: the "
-                        "coordinator's max_in_flight)")
+                        "coordinator's max_in_flight_per_client, else 3/4 of its "
+                        "max_in_flight)")
     p.set_defaults(run=_http)
 
     p = sub.add_parser("rehearse", help="run the plant on this machine, each box a network "
@@ -584,5 +611,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader of the output left (`| head -3`): nothing more to say, and no traceback.
+        # Python flushes stdout again on exiting, into the same broken pipe: /dev/null instead.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)  # what a shell reports of a tool the pipe ended
 
 

@@ -45,13 +45,12 @@ from types import TracebackType
 from typing import IO, Literal, TextIO
 
 import aiomqtt
-from pydantic import ValidationError
 
 from broker.exposure import refuse_open_listener
 from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus
 from edgebus.processes import child_setup, cores
+from edgebus.statuses import StatusReader
 from plant_config import Plant, load_plant
 
 # amqtt listens ~0.2 s after its interpreter starts here; the margin is for a
@@ -73,11 +72,6 @@ _TAIL_BYTES = 64 * 1024
 # How long one broker probe waits for a CONNACK.
 _PROBE_TIMEOUT_S = 1.0
 BROKER_NAME = "broker"
-# A SIGILL is a CPU refusing an instruction a library was compiled for; with llama.cpp
-# built for the box (-march=native) that is an Intel VM advertising AMX it cannot run.
-SIGILL_HINT = (": the CPU refused an instruction its libraries were built for. On an Intel "
-               "VM that advertises AMX, rebuild llama-cpp-python without it "
-               "(docs/deploy.md#llamacpp-on-the-box-weights-gguf)")
 # A dead agent starts again after this, doubled for each earlier death within
 # RESTART_WINDOW_S (1, 2, 4, 8 s), as systemd's RestartSec= with RestartSteps=
 # does: the first restart is quick, so a standby's load falls back soon, and a
@@ -293,8 +287,10 @@ class PlantProcesses:
                 how = f"was killed by {signal.Signals(-code).name}"
             except ValueError:
                 how = f"was killed by signal {-code}"
-            if -code == signal.SIGILL:
-                how += SIGILL_HINT
+            if -code == signal.SIGILL:  # a CPU refusing an instruction a library was built for
+                from node_agent.engines.llamacpp.rebuild_hint import sigill_hint
+
+                how += sigill_hint()
         elif code == 0:
             how = "exited cleanly (code 0)"
         else:
@@ -433,6 +429,7 @@ class StatusWatch:
         # late, after the restarted agent's birth, belongs to an older session.
         self._pids: dict[str, int | None] = {}
         self._bdseq: dict[str, int] = {}
+        self._statuses = StatusReader(lambda text: _say(text, error=True))
         plant = processes.plant
         self.topics = plant.topics
         self.bus = BusClient(plant.ops_endpoint(), plant.ops_client_id("up"),
@@ -450,14 +447,12 @@ class StatusWatch:
             await asyncio.gather(self._runner, return_exceptions=True)
 
     def _on_message(self, message: aiomqtt.Message) -> None:
-        # Whose status it is comes from the topic, which only that agent may write.
         agent = self.topics.agent_of_status_topic(message.topic.value)
         if agent is None or not isinstance(message.payload, bytes | str):
             return
-        try:
-            status = AgentStatus.model_validate_json(message.payload)
-        except ValidationError:
-            return  # not an agent status, so nothing to watch
+        status = self._statuses.read(agent, message.payload)
+        if status is None:
+            return  # not this agent's status, so nothing to watch
         if status.bdseq < self._bdseq.get(agent, 0):
             return
         self._bdseq[agent] = status.bdseq

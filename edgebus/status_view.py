@@ -10,6 +10,7 @@ It only reads, so it works with an ops identity that may read nothing else.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,10 @@ from pydantic import ValidationError
 from edgebus.client import INFLIGHT_WINDOW, UNACKED_WARN_AT, BusClient
 from edgebus.errors import EdgebusError
 from edgebus.messages import AgentStatus, Plan
+from edgebus.statuses import StatusReader
 from plant_config import Plant
+
+log = logging.getLogger(__name__)
 
 # How long to listen for agents that have not reported: retained messages
 # arrive within milliseconds of subscribing, so this is margin for a remote
@@ -56,16 +60,16 @@ async def collect(plant: Plant, wait_s: float = DEFAULT_WAIT_S) -> ClusterView:
     """Subscribe to the plant's statuses and plan; return what arrived within `wait_s`."""
     topics = plant.topics
     view = ClusterView()
+    statuses = StatusReader(log.warning)
 
     def on_message(message: aiomqtt.Message) -> None:
         payload = message.payload if isinstance(message.payload, bytes | str) else b""
         try:
             if message.topic.matches(topics.plan):
                 view.plan = Plan.model_validate_json(payload)
-            elif (agent := topics.agent_of_status_topic(message.topic.value)) is not None:
-                # Whose status it is comes from the topic, which only that agent may write.
-                view.take(AgentStatus.model_validate_json(payload).model_copy(
-                    update={"agent_id": agent}))
+            elif ((agent := topics.agent_of_status_topic(message.topic.value)) is not None
+                  and (status := statuses.read(agent, payload)) is not None):
+                view.take(status)
         except ValidationError:
             pass  # not ours (another tool's retained message): nothing to show
 

@@ -72,6 +72,7 @@ from edgebus.messages import (
     parse_request,
     salvage_id,
 )
+from edgebus.statuses import Role, StatusReader
 from edgebus.topics import check_level
 from node_agent.engines import kv_reservation
 from node_agent.groups import Outbox
@@ -338,11 +339,13 @@ class Coordinator:
                            (self.topics.cancel_filter, 1)],
             presence=presence(self.topics, self.agent_id, "coordinator", metrics=lambda: {
                 **self.counters, "in_flight": float(len(self._active)),
+                "statuses_dropped": float(self._statuses.dropped),
                 **self.bus.metrics()}),
             # Requests published while the coordinator is down wait in the broker,
             # and one is acknowledged only once it is journaled (or answered).
             persistent=True, manual_ack=True, on_connect=[self._on_connect])
         self.reporter = Reporter(self.bus, self.topics, self.agent_id)
+        self._statuses = StatusReader(functools.partial(self.reporter.report, "warning"))
 
     async def serve(self, stop: asyncio.Event) -> None:
         for entry in self._resume:  # first, so redeliveries of these find them in flight
@@ -473,18 +476,22 @@ class Coordinator:
         return agent == self.spec.id or (instance != agent and instance in self.spec.instances)
 
     def _on_status(self, agent: str, payload: bytes, *, retained: bool) -> None:
-        """The status of `agent`, the agent its topic names: the payload's own `agent_id`
-        and `role` are ignored, so an identity can speak only for itself."""
-        try:
-            status = AgentStatus.model_validate_json(payload)
-        except ValueError:
-            return
+        """The status of `agent`, the agent its topic names: one whose payload names another
+        agent or role is dropped (edgebus/statuses.py), so an identity speaks only for itself."""
+        role: Role
         if self._is_coordinator(agent):
+            role = "coordinator"
+        elif agent in self.health:
+            role = "stage"
+        else:
+            return  # an agent of another plant file
+        status = self._statuses.read(agent, payload, role)
+        if status is None:
+            return
+        if role == "coordinator":
             self._on_peer_status(agent, status)
             return
-        node = self.health.get(agent)
-        if node is None:
-            return  # an agent of another plant file
+        node = self.health[agent]
         now = time.monotonic()
         # A retained status may be old: it is as fresh as its timestamp says.
         age = max(0.0, time.time() - status.ts) if retained else 0.0

@@ -207,8 +207,12 @@ class JournalLock:
                 raise EdgebusError(
                     f"another coordinator process (pid {holder}) serves the journal "
                     f"{self.directory}: it holds {self.path}. Two coordinators with one id "
-                    "would fight over one MQTT session: stop the other one, or run this one "
-                    "as another of coordinator.instances (EDGEBUS_INSTANCE)") from None
+                    "would fight over one MQTT session. If it is this plant's, stop it, or "
+                    "run this one as another of coordinator.instances (EDGEBUS_INSTANCE). If "
+                    "it is another plant's (two plant files on one box, both with the "
+                    "defaults plant_id: plant and topic_root: edgebus/plant), give this "
+                    "plant a plant_id and a topic_root of its own in its plant file: the "
+                    "journal, the MQTT client ids and the topics all go by them") from None
             # A holder releasing it unlinks the file: a lock on that old file guards
             # nothing, since the next process creates and locks a new one.
             try:

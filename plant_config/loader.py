@@ -42,8 +42,11 @@ _HEADER = """\
 # Where `edgebus init` puts the plant's secrets, relative to the plant file:
 # beside it, so the plant file and its credentials move together.
 CREDENTIALS_DIR = "credentials"
-# The embedded broker's password file (hashes only), relative to the plant file.
-PASSWORD_FILE = "broker/passwd"
+# The embedded broker's password files (hashes only), relative to the plant file: one per
+# plant file, named for it (plant.yaml: broker/plant.passwd), so that a second plant made in
+# the same folder leaves the first one's broker admitting the first one's identities.
+PASSWORD_DIR = "broker"
+PASSWORD_SUFFIX = ".passwd"
 # The identities `edgebus init` names besides the agents: one PLC gateway,
 # which `edgebus ask` uses, and the read-only ops identity of `edgebus status` and `up`.
 DEFAULT_GATEWAYS = ("plc-1",)
@@ -146,15 +149,17 @@ def init_plant_file(path: str | os.PathLike[str], model_dir: str | os.PathLike[s
     if finish is not None:
         plant = finish(plant)
     if secure:
-        plant = with_security(plant, Path(path).resolve().parent, gateways=gateways)
+        plant = with_security(plant, Path(path), gateways=gateways)
     return write_new_plant(plant, path, force=force)
 
 
-def with_security(plant: Plant, home: Path, *, gateways: Sequence[str] = DEFAULT_GATEWAYS,
+def with_security(plant: Plant, plant_file: Path, *,
+                  gateways: Sequence[str] = DEFAULT_GATEWAYS,
                   ops: Sequence[str] = DEFAULT_OPS) -> Plant:
-    """`plant` with a `security:` section: an identity per agent, per gateway (and `edgebus
-    http`'s) and per ops tool, their passwords in `home/credentials`, and (embedded broker) the
-    hashes in `home/broker`; and the name of one API key for `edgebus http`.
+    """`plant`, to be written to `plant_file`, with a `security:` section: an identity per
+    agent, per gateway (and `edgebus http`'s) and per ops tool, their passwords in
+    `credentials/` beside the plant file, and (embedded broker) the hashes in
+    `broker/<plant file's stem>.passwd`; and the name of one API key for `edgebus http`.
 
     A broker URL's shared user name and password are refused: every identity
     logs in as itself instead.
@@ -164,10 +169,12 @@ def with_security(plant: Plant, home: Path, *, gateways: Sequence[str] = DEFAULT
                                "agent would share; with security each identity logs in as "
                                "itself — remove user:password@ from the URL, or keep the shared "
                                "login without security (`edgebus init --insecure`)")
+    home = plant_file.resolve().parent
     security = {"credentials": home / CREDENTIALS_DIR,
                 "gateways": list(dict.fromkeys([*gateways, DEFAULT_HTTP_GATEWAY])),
                 "ops": list(ops), "api_keys": list(DEFAULT_API_KEYS),
-                "password_file": home / PASSWORD_FILE if plant.broker.embedded else None}
+                "password_file": (home / PASSWORD_DIR / f"{plant_file.stem}{PASSWORD_SUFFIX}"
+                                  if plant.broker.embedded else None)}
     data = plant.model_dump(exclude_unset=True)
     data["security"] = security
     try:
@@ -183,11 +190,17 @@ def write_new_plant(plant: Plant, path: str | os.PathLike[str], *, force: bool =
     how a PLC asks (docs/plant-file.md, "Task templates") and the Node-RED
     flow in docs/examples answers out of the box.
     """
+    refuse_to_overwrite(path, force=force)
+    write_plant(plant.model_copy(update={"tasks": plant.tasks or EXAMPLE_TASKS}), path)
+    return load_plant(path)
+
+
+def refuse_to_overwrite(path: str | os.PathLike[str], *, force: bool) -> None:
+    """PlantConfigError if a file is at `path` and not `force`: `init` checks this before it
+    profiles a model (`--example`: seconds to minutes), and again when it writes."""
     if Path(path).exists() and not force:
         raise PlantConfigError(f"{os.fspath(path)}: already exists — not overwriting it; "
                                "remove it first or use --force")
-    write_plant(plant.model_copy(update={"tasks": plant.tasks or EXAMPLE_TASKS}), path)
-    return load_plant(path)
 
 
 def _read_yaml(path: Path, source: str) -> dict[str, Any]:

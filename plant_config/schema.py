@@ -222,7 +222,9 @@ class StageSpec(_Section):
 
     node: str
     layers: tuple[int, int]  # [first, last + 1)
-    threads: PositiveInt | None = None  # torch intra-op threads; None: all cores
+    # The engine's threads (llama.cpp, torch, onnxruntime). None: all cores for llama.cpp, the
+    # count measured fastest on the box for the others (node_agent/engines/tuning.py).
+    threads: PositiveInt | None = None
     # KV caches this node may hold. 512 MiB holds ~35k positions of a 10-layer
     # SmolLM2 stage (15 KiB each): 64 requests of 512 tokens with room to spare,
     # and a Pi 5 with 8 GB keeps most of its memory for weights.

@@ -532,7 +532,7 @@ async def test_another_identitys_client_id_does_not_silence_the_coordinator(
 async def test_a_status_speaks_only_for_the_agent_its_topic_names(
         tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A stage node may write its own status only, whatever its JSON claims: a claim to be
-    another stage, or a coordinator instance, is taken as the stage's own status."""
+    another stage, or a coordinator instance, is dropped and changes nothing."""
     caplog.set_level(logging.INFO)
     plant = secured_plant(tmp_path, f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}",
                           model=tiny_llama)
@@ -560,7 +560,8 @@ async def test_a_status_speaks_only_for_the_agent_its_topic_names(
     assert response.tokens == reference_tokens(tiny_llama, request)
     assert "stage-1 went offline" not in seen
     assert "coordinator.b is offline" not in seen  # no drain of a peer
-    assert "stage node stage-0 went offline" in seen  # the lies, read as stage-0's
+    assert "stage node stage-0 went offline" not in seen  # nor taken as stage-0's own
+    assert "on the status topic of stage-0 that claim agent_id 'stage-1'" in seen
 
 
 # `edgebus ask` runs at once as one gateway: what reproduced the broadcast race.
@@ -614,11 +615,12 @@ def edgebus(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=UP_S)
 
 
-def init_plant(tmp_path: Path, model: Path, *extra: str, **broker: object) -> Path:
+def init_plant(tmp_path: Path, model: Path, *extra: str, name: str = "plant.yaml",
+               stages: int = 2, **broker: object) -> Path:
     """`edgebus init` (2 stages), then the embedded broker moved off 1883 (where a Mosquitto
     or another test may listen) to a free loopback port, with `broker` fields added."""
-    path = tmp_path / "plant.yaml"
-    done = edgebus("init", str(path), "--model", str(model), "--stages", "2", *extra)
+    path = tmp_path / name
+    done = edgebus("init", str(path), "--model", str(model), "--stages", str(stages), *extra)
     assert done.returncode == 0, done.stderr
     data = yaml.safe_load(path.read_text())
     data["broker"].update({"port": free_port(LOOPBACK), **broker})
@@ -676,6 +678,43 @@ async def test_a_fresh_init_and_up_admit_the_plants_identities_and_nobody_else(
     assert response.tokens == plant_reference(
         plant, GenerateRequest(id="x", prompt="Alarm 4711 means", max_tokens=5))
     assert "security is off" not in (tmp_path / "up.log").read_text()
+
+
+async def test_a_second_init_in_the_same_folder_leaves_the_first_plant_working(
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """`edgebus init` of a 3-stage plant, then of a 2-stage one beside it: `edgebus broker` of
+    each admits every identity of its own plant, stage-2 (the first plant's only) included.
+    The second init used to replace the one broker/passwd, refusing the first's stage-2."""
+    paths = [init_plant(tmp_path, tiny_llama_gguf, "--weights", "gguf", name=name,
+                        stages=stages) for name, stages in (("plant.yaml", 3), ("line-2.yaml", 2))]
+    plants = [load_plant(path) for path in paths]
+    assert "stage-2" in plants[0].identities() and "stage-2" not in plants[1].identities()
+    for path, plant in zip(paths, plants, strict=True):
+        broker = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "edgebus", "broker", str(path), stderr=asyncio.subprocess.PIPE)
+        try:
+            assert broker.stderr is not None
+            async with asyncio.timeout(UP_S):
+                while b"listening on" not in await broker.stderr.readline():
+                    assert broker.returncode is None
+            for identity in plant.identities():
+                async with login(plant, identity):
+                    pass
+        finally:
+            broker.terminate()
+            await broker.wait()
+
+
+def test_init_in_a_source_tree_warns_that_credentials_went_into_a_package(
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """`init` in this repository's root writes broker/ into the `broker` package: it says so."""
+    (tmp_path / "broker").mkdir()
+    (tmp_path / "broker" / "__init__.py").touch()
+    done = edgebus("init", str(tmp_path / "plant.yaml"), "--model", str(tiny_llama_gguf))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "broker" / "plant.passwd").exists()
+    assert f"{tmp_path / 'broker'} is a Python package" in done.stderr
+    assert f"{tmp_path / 'credentials'} is a Python package" not in done.stderr
 
 
 ALL_INTERFACES = "0.0.0.0"

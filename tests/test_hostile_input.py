@@ -41,6 +41,7 @@ from edgebus.messages import (
     GenerateResponse,
     parse_request,
 )
+from edgebus.statuses import StatusReader
 from node_agent import coordinator
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.stage import SWEEP_INTERVAL_S
@@ -416,6 +417,87 @@ async def test_a_late_will_of_an_old_session_does_not_kill_a_live_node(
                     # Control: a death of the current session does count.
                     await client.publish(f"{root}/status/stage-0", death(current), qos=1)
     assert len(leaves) == 1 and "stage-0" in leaves[0]
+
+
+# How often the spoof of issue 30 came: the coordinator marked stage-0 offline on each and
+# replayed what ran through it.
+SPOOF_EVERY_S = 0.3
+
+
+async def test_a_status_naming_another_agent_is_dropped_and_changes_nothing(
+        tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
+    """Stage-0's status topic carries {"agent_id": "stage-1", "state": "offline"} every
+    0.3 s, retained and plain, as any client of an open broker may publish it, while two
+    requests run: both are answered token-exact, no node goes offline, nothing is replayed,
+    and the coordinator warns and counts what it dropped."""
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)])
+    root = plant.topic_root
+    coordinator_status = plant.topics.status(plant.coordinator.id)
+    # A bdseq above any real session's, so that no reader takes it for a late Will.
+    lie = AgentStatus(state="offline", role="stage", agent_id="stage-1", pid=1, host="forged",
+                      version="0", bdseq=2**53).model_dump_json()
+    batch = [GenerateRequest(id=f"spoofed-{i}", prompt=f"Pump {i} vibration", max_tokens=24,
+                             ignore_eos=True) for i in range(2)]
+    responses: dict[str, GenerateResponse] = {}
+    events: list[dict[str, str]] = []
+    counters: dict[str, float] = {}
+
+    async def spoof(client: aiomqtt.Client) -> None:
+        retain = False
+        while True:
+            await asyncio.sleep(SPOOF_EVERY_S)
+            await client.publish(f"{root}/status/stage-0", lie, qos=1, retain=retain)
+            retain = not retain
+
+    async with running(plant), aiomqtt.Client(mosquitto_broker.host,
+                                              mosquitto_broker.port) as client:
+        for topic in (f"{root}/events", f"{root}/llm/response/gw/+", coordinator_status):
+            await client.subscribe(topic, qos=1)
+        # The first lie goes out before the requests, from the same client: the broker
+        # passes it on first, so the coordinator has read at least one lie when it serves.
+        await client.publish(f"{root}/status/stage-0", lie, qos=1, retain=True)
+        spoofer = asyncio.create_task(spoof(client))
+        for request in batch:
+            await client.publish(f"{root}/llm/request/gw", request.model_dump_json(), qos=1)
+        try:
+            async with asyncio.timeout(WAIT_S):
+                async for message in client.messages:
+                    assert isinstance(message.payload, bytes)
+                    if message.topic.value == f"{root}/events":
+                        events.append(json.loads(message.payload))
+                    elif message.topic.value == coordinator_status:
+                        counters = AgentStatus.model_validate_json(message.payload).metrics
+                    else:
+                        response = GenerateResponse.model_validate_json(message.payload)
+                        responses[response.id] = response
+                    # Its status after both answers: its counters include both requests.
+                    if len(responses) == len(batch) and counters.get("requests_done") == 2:
+                        break
+        finally:
+            spoofer.cancel()
+    assert [e["message"] for e in events if e["kind"] == "leave"] == []
+    assert [e["message"] for e in events if "replaying" in e["message"]] == []
+    assert counters["failovers"] == 0 and counters["recoveries"] == 0
+    for request in batch:
+        assert responses[request.id].error is None, responses[request.id].error
+        assert responses[request.id].tokens == reference_tokens(tiny_llama, request)
+    assert counters["statuses_dropped"] >= 1
+    warnings = [e["message"] for e in events if e["kind"] == "warning"]
+    assert any("stage-0" in w and "agent_id 'stage-1'" in w for w in warnings), warnings
+
+
+def test_statuses_contradicting_their_topic_are_counted_and_warned_about_once() -> None:
+    warnings: list[str] = []
+    reader = StatusReader(warnings.append)
+    own = AgentStatus(state="online", role="stage", agent_id="stage-0", pid=1, host="h",
+                      version="0")
+    lies = [own.model_copy(update={"agent_id": "stage-1"}),
+            own.model_copy(update={"role": "coordinator"})] * 3
+    assert [reader.read("stage-0", lie.model_dump_json(), "stage") for lie in lies] == [None] * 6
+    assert reader.read("stage-0", own.model_dump_json(), "stage") == own
+    assert reader.read("stage-0", b"not a status") is None  # another tool's: no warning
+    assert reader.dropped == 6
+    assert len(warnings) == 1 and "agent_id 'stage-1'" in warnings[0]
 
 
 # -- bounds at parse time and at admission -----------------------------------------------

@@ -14,9 +14,17 @@ from test_broker_security import secured_plant, start_secured
 
 from edgebus.ask import ask
 from edgebus.client import BusClient
+from edgebus.errors import EdgebusError
 from edgebus.messages import GenerateRequest, GenerateResponse
 from edgebus.processes import LOOPBACK, free_port
-from node_agent.journal import MAX_BAD, Entry, Journal, default_directory, key_name
+from node_agent.journal import (
+    MAX_BAD,
+    Entry,
+    Journal,
+    JournalLock,
+    default_directory,
+    key_name,
+)
 
 
 def test_what_was_added_and_not_removed_is_what_the_next_run_finds(tmp_path: Path) -> None:
@@ -119,3 +127,17 @@ async def test_a_request_journaled_before_security_was_turned_on_is_answered_onc
     # On the gateway's own topic, once, and gone from the journal.
     assert [(a.id, a.error.code if a.error else None) for a in answers] == [("before", "reply_to")]
     assert Journal(journal.directory).open() == []
+
+
+def test_a_second_holder_of_a_journal_is_told_both_ways_out(tmp_path: Path) -> None:
+    """Another plant's coordinator with the default plant_id and topic_root takes the same
+    journal: the refusal names those, not only coordinator.instances (a plant's standbys)."""
+    first = JournalLock(tmp_path / "journal" / "plant-0123abcd" / "coordinator")
+    first.acquire()
+    try:
+        with pytest.raises(EdgebusError, match=f"pid {os.getpid()}") as refused:
+            JournalLock(first.directory).acquire()
+    finally:
+        first.release()
+    assert "coordinator.instances" in str(refused.value)
+    assert "a plant_id and a topic_root of its own" in str(refused.value)

@@ -10,9 +10,15 @@ holds it to llama-cpp-python's `Llama.generate`.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
+import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,7 +44,7 @@ from node_agent.engines import (
     with_kv_budgets,
 )
 from node_agent.engines.base import CacheFull
-from node_agent.engines.llamacpp import library, stage_gguf
+from node_agent.engines.llamacpp import library, rebuild_hint, stage_gguf
 from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, MODEL_GGUF
 from node_agent.model_config import kv_bytes_per_token
 from plant_config import Plant, make_plant
@@ -149,6 +155,80 @@ def test_llama_cpp_keeps_off_its_amx_kernels_where_this_cpu_faults_in_them() -> 
     params = library.llama().llama_model_default_params()
     built_with_amx = "AMX_INT8 = 1" in library.system_info()
     assert params.use_extra_bufts is not (built_with_amx and fault != 0)
+
+
+def test_pip_installs_the_llama_cpp_python_the_engine_is_written_against() -> None:
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pins = [r for r in project["project"]["dependencies"] if r.startswith("llama-cpp-python")]
+    assert pins == [f"llama-cpp-python=={library.PINNED}"]
+
+
+# /proc/cpuinfo's Features of a Pi 4's Cortex-A72 and a Pi 5's Cortex-A76 (as Linux lists them).
+CORTEX_A72 = "Features\t: fp asimd evtstrm crc32 cpuid"
+CORTEX_A76 = ("Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid "
+              "asimdrdm lrcpc dcpop asimddp ssbs")
+
+
+def test_the_sigill_hint_names_the_arm_features_the_build_assumed_and_the_build_that_fits(
+        ) -> None:
+    """A build for the Pi 5 on a Pi 4 died of SIGILL, and `up` advised rebuilding without AMX."""
+    pi5_build = {"dotprod", "fp16_va"}
+    on_pi4 = rebuild_hint.hint("aarch64", rebuild_hint.ARM,
+                               rebuild_hint.cpu_flags(CORTEX_A72), pi5_build)
+    assert "built for dotprod, fp16, which this aarch64 CPU lacks" in on_pi4
+    assert "-DGGML_CPU_ARM_ARCH=armv8-a\"" in on_pi4 and "AMX" not in on_pi4
+    unknown_on_pi5 = rebuild_hint.hint("aarch64", rebuild_hint.ARM,
+                                       rebuild_hint.cpu_flags(CORTEX_A76), None)
+    assert "this aarch64 CPU has dotprod, fp16." in unknown_on_pi5
+    assert "-DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16\"" in unknown_on_pi5
+    assert f"llama-cpp-python=={library.PINNED}" in unknown_on_pi5
+
+
+def test_the_sigill_hint_reads_what_this_build_was_compiled_for() -> None:
+    """ggml's own report, from a child process, as llama.cpp's system info gives it."""
+    built = rebuild_hint.built_for(rebuild_hint.X86)
+    info = library.system_info()
+    assert built is not None
+    assert ("avx2" in built) == ("AVX2 = 1" in info)
+    assert ("avx512" in built) == ("AVX512 = 1" in info)
+    assert ("amx_int8" in built) == ("AMX_INT8 = 1" in info)
+
+
+# A stage that ends before the model's last layer: its output is captured by the C callback.
+_CAPTURED_STAGE = """
+import sys
+from pathlib import Path
+import numpy as np
+from node_agent.engines import ContextShape, load_engine
+stage = load_engine(Path(sys.argv[1]), 0, 1, weights="gguf", threads=1,
+                    shape=ContextShape(kv_budget_bytes=2**20, positions=16, batch_positions=16))
+out = stage.run([np.array([[1, 504, 3295]])], [stage.new_cache(0)], [0])[0]
+print(repr(np.asarray(out).flatten().tolist()))
+print(sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if "libggml-base" in line}))
+"""
+
+
+def test_a_llama_cpp_in_llama_cpp_lib_path_is_the_one_the_capture_calls(
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """A build of llama.cpp outside llama-cpp-python's package, named by LLAMA_CPP_LIB_PATH
+    as llama_cpp.py reads it, is the only ggml a stage maps, and captures what the
+    package's build captures."""
+    own = tmp_path / "build"
+    shutil.copytree(library.library_dir(), own, symlinks=True)
+
+    def run(env: dict[str, str]) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", _CAPTURED_STAGE, str(tiny_llama_gguf)],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+    packaged = run({})
+    moved = run({library.LIB_PATH_VARIABLE: str(own)})
+    assert moved[0] == packaged[0]
+    mapped = [Path(path) for path in ast.literal_eval(moved[1])]
+    assert mapped and all(path.parent == own.resolve() for path in mapped), mapped
 
 
 def test_a_stage_file_holds_its_layers_only(smollm2_dir: Path) -> None:

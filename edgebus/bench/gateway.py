@@ -7,6 +7,7 @@ QoS 1 message waits 40+ ms for a delayed ACK and the numbers would measure Nagle
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import secrets
 import statistics
@@ -19,13 +20,15 @@ from types import TracebackType
 from typing import Self
 
 import aiomqtt
-from pydantic import ValidationError
 
 from edgebus.bench.metrics import P99, HopLatency, Trace, percentile
 from edgebus.client import NODELAY
 from edgebus.errors import EdgebusError
 from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse, StreamDelta
+from edgebus.statuses import StatusReader
 from plant_config import BrokerEndpoint, Plant
+
+log = logging.getLogger(__name__)
 
 # The gateway's client id in request and response topics.
 CLIENT_ID = "bench"
@@ -109,7 +112,8 @@ class Gateway(_Listener):
     def __init__(self, plant: Plant) -> None:
         topics = plant.topics
         self._response_prefix = f"{topics.root}/llm/response/{CLIENT_ID}/"
-        self._status_prefix = topics.status_filter.removesuffix("+")
+        self._topics = topics
+        self._status_reader = StatusReader(log.warning)
         super().__init__(plant, "gateway", [f"{self._response_prefix}#", topics.status_filter])
         self._request_topic = topics.request(CLIENT_ID)
         self._pending: dict[str, _Pending] = {}
@@ -125,13 +129,10 @@ class Gateway(_Listener):
                 pending.arrivals.append((StreamDelta.model_validate_json(payload).index, now))
             elif not tail and not pending.done.done():
                 pending.done.set_result((now, GenerateResponse.model_validate_json(payload)))
-        elif topic.startswith(self._status_prefix):
-            # amqtt may hand over retained messages of other filters: check what it is.
-            try:
-                status = AgentStatus.model_validate_json(payload)
-            except ValidationError:
-                return
-            self.statuses[status.agent_id] = status
+        # amqtt may hand over retained messages of other filters: the reader checks.
+        elif ((agent := self._topics.agent_of_status_topic(topic)) is not None
+              and (status := self._status_reader.read(agent, payload)) is not None):
+            self.statuses[agent] = status
 
     async def generate(self, request: GenerateRequest, timeout: float) -> Trace:
         """Send `request`, wait for its response; raise EdgebusError unless it made max_tokens."""

@@ -61,7 +61,6 @@ from edgebus.gateways.openai_schema import (
 )
 from edgebus.messages import (
     MAX_REQUEST_BYTES,
-    AgentStatus,
     ErrorInfo,
     GenerateRequest,
     GenerateResponse,
@@ -69,6 +68,7 @@ from edgebus.messages import (
     describe,
     unbounded_number,
 )
+from edgebus.statuses import StatusReader
 from plant_config import Plant
 from plant_config.loader import DEFAULT_HTTP_GATEWAY
 
@@ -213,6 +213,7 @@ class Gateway:
         self._check_coordinator = not plant.coordinator.instances
         self._coordinator: str | None = None  # its last state, once seen
         self._status_seen = asyncio.Event()
+        self._statuses = StatusReader(log.warning)
         # The MQTT client id is this process's own: gateways sharing an
         # identity must not take each other's connection.
         self.bus = BusClient(plant.endpoint_for(client_id),
@@ -228,8 +229,10 @@ class Gateway:
         topic = message.topic.value
         try:
             if topic == self._status_topic:
-                self._coordinator = AgentStatus.model_validate_json(payload).state
-                self._status_seen.set()
+                status = self._statuses.read(self.plant.coordinator.id, payload, "coordinator")
+                if status is not None:
+                    self._coordinator = status.state
+                    self._status_seen.set()
                 return
             rid, _, tail = topic.removeprefix(self._prefix).partition("/")
             pending = self.pending.get(rid)

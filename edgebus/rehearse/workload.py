@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,10 @@ from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
 from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
 from edgebus.rehearse.rehearsal import Rehearsal
+from edgebus.statuses import StatusReader
 from plant_config import Plant
+
+log = logging.getLogger(__name__)
 
 # Short plant questions: the prompt is not the point, the decode loop is.
 PROMPTS = (
@@ -60,14 +64,15 @@ class Observer:
     first_delta: dict[str, float] = field(default_factory=dict)
     done: dict[str, float] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _status_reader: StatusReader = field(default_factory=lambda: StatusReader(log.warning))
 
     def on_message(self, message: aiomqtt.Message) -> None:
         payload = message.payload if isinstance(message.payload, bytes) else b""
         topic = message.topic.value
         now = time.monotonic()
-        if topic.startswith(f"{self.plant.topic_root}/status/"):
-            status = AgentStatus.model_validate_json(payload)
-            self.statuses[status.agent_id] = status
+        if (agent := self.plant.topics.agent_of_status_topic(topic)) is not None:
+            if (status := self._status_reader.read(agent, payload)) is not None:
+                self.statuses[agent] = status
         elif topic.endswith("/stream"):
             self.first_delta.setdefault(topic.split("/")[-2], now)
         else:

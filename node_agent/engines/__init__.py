@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgebus.errors import EngineError
 from edgebus.frames import MAX_BATCH_ROWS
 from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
 from node_agent.model_config import kv_bytes_per_token
@@ -34,6 +35,11 @@ if TYPE_CHECKING:
 __all__ = ["ContextShape", "KvReservation", "StageEngine", "StageSlice", "context_shape",
            "kv_reservation", "load_engine"]
 
+# What the `torch` extra installs (pyproject.toml) for the torch and onnxruntime engines. A
+# base install, as a llama.cpp box has, lacks them: a stage of those engines says which extra
+# to add rather than die of ModuleNotFoundError ('onnx', for `weights: int8`).
+TORCH_EXTRA_MODULES = frozenset({"torch", "transformers", "safetensors", "accelerate",
+                                 "onnxruntime", "onnx", "onnxscript"})
 # For tools and tests that load an engine outside a plant (agents pass their node's
 # shape): a request or two of 2048 positions, the plant's default prefill_chunk. llama.cpp
 # allocates the whole budget at load, so it is kept small.
@@ -116,6 +122,21 @@ def load_engine(model_dir: Path, first: int, end: int, *, engine: EngineName = "
 
         return LlamaCppEngine(model_dir, first, end, shape=shape or DEFAULT_SHAPE,
                               threads=threads or os.cpu_count() or 1, device=device)
+    try:
+        return _load_torch_side(model_dir, first, end, name, weights, device, threads, tune)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in TORCH_EXTRA_MODULES:
+            raise
+        raise EngineError(
+            f"engine {name} (weights: {weights}) needs the `torch` extra, and {exc.name} is "
+            "not installed: pip install torch==2.13.0 \"edgebus[torch]\" (on aarch64 torch's "
+            "CPU build comes from PyTorch's own index: README.md), or give the stage "
+            "`weights: gguf`, which llama.cpp runs on the base install") from None
+
+
+def _load_torch_side(model_dir: Path, first: int, end: int, name: str, weights: WeightMode,
+                     device: Device, threads: int | None, tune: bool) -> StageEngine:
+    """The torch or onnxruntime engine, as `load_engine` describes it."""
     # Imported here: a llama.cpp box has no torch (docs/deploy.md).
     import torch
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import signal
 from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
@@ -28,6 +29,9 @@ PINNED = "0.3.36"
 CAPTURE_MODULE = "_capture"
 CAPTURE_SYMBOL = "edgebus_capture_cb"
 AMX_PROBE_MODULE = "_amx_probe"
+# Where llama-cpp-python loads libllama and its ggml from instead of its package's lib/: a
+# llama.cpp built elsewhere (for another CPU, say) is used where it lies, not copied in.
+LIB_PATH_VARIABLE = "LLAMA_CPP_LIB_PATH"
 # GGML_LOG_LEVEL_ERROR in ggml.h's enum ggml_log_level.
 _ERROR = 4
 
@@ -111,17 +115,35 @@ def _system_info(lowlevel: ModuleType) -> str:
     return bytes(lowlevel.llama_print_system_info()).decode(errors="replace").strip()
 
 
+def library_dir() -> Path:
+    """The folder llama-cpp-python loads libllama and ggml from, read as llama_cpp.py reads
+    it ($LLAMA_CPP_LIB_PATH, else the package's lib/), without importing llama_cpp: the
+    SIGILL hint (rebuild_hint.py) asks it where loading that library may be what fails."""
+    override = os.environ.get(LIB_PATH_VARIABLE)
+    if override is not None:
+        return Path(override)
+    spec = find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise EngineError(f"the llamacpp engine needs llama-cpp-python: pip install "
+                          f"llama-cpp-python=={PINNED}")
+    return Path(spec.origin).parent / "lib"
+
+
 @functools.cache
 def capture_callback() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """(capture library, libggml-base): the C eval callback, and the ggml it calls into."""
     lib = _c_library(CAPTURE_MODULE)
-    lowlevel = llama()
+    llama()
     # The ggml that llama-cpp-python loaded: the same file, so dlopen hands back its handle.
-    libdir = Path(str(lowlevel.__file__)).parent / "lib"
+    # Another copy (the package's, beside a $LLAMA_CPP_LIB_PATH build) would be a second
+    # ggml, whose functions the callback would call on the first one's tensors.
+    libdir = library_dir()
     candidates = sorted(libdir.glob("libggml-base.*")) or sorted(libdir.glob("libggml.*"))
     if not candidates:
         raise EngineError(f"no libggml-base beside llama-cpp-python's library in {libdir}: "
-                          f"reinstall llama-cpp-python=={PINNED}")
+                          + (f"point ${LIB_PATH_VARIABLE} at the folder of the build's "
+                             "libllama and libggml" if LIB_PATH_VARIABLE in os.environ
+                             else f"reinstall llama-cpp-python=={PINNED}"))
     return lib, ctypes.CDLL(str(candidates[0]))
 
 
