@@ -176,7 +176,7 @@ def test_infeasible_plan_says_how_much_is_missing_and_where() -> None:
     message = str(caught.value)
     assert missing_mib(caught.value) == 200
     assert "pi-1" in message or "pi-2" in message
-    assert "weights: bf16 or int8" in message  # says what to change
+    assert "weights: bf16, int8 or int4" in message  # says what to change: smaller modes
 
 
 def test_more_stages_than_layers() -> None:

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgebus.frames import MAX_BATCH_ROWS
 from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
 from node_agent.model_config import kv_bytes_per_token
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
+from plant_config.stage_memory import context_shape
 
 if TYPE_CHECKING:
     from plant_config import Plant
@@ -38,16 +38,6 @@ __all__ = ["ContextShape", "KvReservation", "StageEngine", "StageSlice", "contex
 # shape): a request or two of 2048 positions, the plant's default prefill_chunk. llama.cpp
 # allocates the whole budget at load, so it is kept small.
 DEFAULT_SHAPE = ContextShape(kv_budget_bytes=128 * 2**20, positions=2048, batch_positions=128)
-
-
-def context_shape(plant: Plant, node_id: str) -> ContextShape:
-    """What `node_id` may hold: its KV budget, a request's longest length, a call's most
-    positions (a prompt chunk, or a batch of decode rows)."""
-    coordinator = plant.coordinator
-    return ContextShape(
-        kv_budget_bytes=plant.node(node_id).kv_budget_mb * 2**20,
-        positions=coordinator.max_prompt_tokens + coordinator.max_tokens_limit,
-        batch_positions=max(coordinator.prefill_chunk, MAX_BATCH_ROWS))
 
 
 @dataclass(frozen=True)
