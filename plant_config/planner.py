@@ -351,7 +351,8 @@ def _box_shortfall(costs: ModelCosts, box: Box, layers: LayerRange) -> list[str]
     if memory.unheld_share:
         lines.append(f"  {box.node}: kv_budget_mb {box.kv_bytes // MIB} holds no request of "
                      f"{box.positions} positions on layers {show(layers)} "
-                     f"({_mib_up(memory.unheld_share)} MiB each)")
+                     f"({_mib_up(memory.unheld_share)} MiB each), where llama.cpp reserves "
+                     "whole requests up front")
     if memory.total > box.memory_bytes:
         lines.append(f"  {box.node}: {_mib_up(memory.total - box.memory_bytes)} MiB over its "
                      f"memory_mb {box.memory_bytes // MIB} with layers {show(layers)} in "
@@ -377,9 +378,9 @@ def _remedies(modes: set[WeightMode]) -> str:
     """What to change, for the weight modes the plant runs: a smaller mode than each."""
     remedies = ["raise memory_mb"]
     if "gguf" in modes:
-        remedies += ["lower kv_budget_mb or the positions a request may reach "
-                     "(coordinator max_prompt_tokens + max_tokens_limit; a budget must still "
-                     "hold one request)",
+        remedies += ["size kv_budget_mb to whole requests (one at least) or lower the "
+                     "positions a request may reach (coordinator max_prompt_tokens + "
+                     "max_tokens_limit)",
                      "cut a smaller GGUF type from the model (Q4_0 or Q4_K_M: ~0.56 bytes a "
                      "weight, against Q8_0's 1.06 and F16's 2)"]
     else:
