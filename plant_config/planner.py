@@ -174,6 +174,13 @@ class Memory:
         return (self.weights + self.kv + self.buffers + self.process + self.services
                 + self.headroom)
 
+    def describe(self) -> str:
+        """E.g. "weights 1335 + KV 135 + llama.cpp buffers 210 + process 64 MiB"."""
+        items = [("weights", self.weights), ("KV", self.kv),
+                 ("llama.cpp buffers", self.buffers), ("process", self.process),
+                 ("broker and coordinator", self.services), ("headroom", self.headroom)]
+        return " + ".join(f"{name} {_mib_up(value)}" for name, value in items if value) + " MiB"
+
 
 @dataclass(frozen=True)
 class Box:
@@ -356,16 +363,8 @@ def _box_shortfall(costs: ModelCosts, box: Box, layers: LayerRange) -> list[str]
     if memory.total > box.memory_bytes:
         lines.append(f"  {box.node}: {_mib_up(memory.total - box.memory_bytes)} MiB over its "
                      f"memory_mb {box.memory_bytes // MIB} with layers {show(layers)} in "
-                     f"{box.weights} ({_itemized(memory)})")
+                     f"{box.weights} ({memory.describe()})")
     return lines
-
-
-def _itemized(memory: Memory) -> str:
-    items = [("weights", memory.weights), ("KV", memory.kv), ("llama.cpp buffers",
-                                                            memory.buffers),
-             ("process", memory.process), ("broker and coordinator", memory.services),
-             ("headroom", memory.headroom)]
-    return " + ".join(f"{name} {_mib_up(value)}" for name, value in items if value) + " MiB"
 
 
 # Weight modes from the most bytes a weight to the fewest (weight-modes.md).
