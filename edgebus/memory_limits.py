@@ -47,6 +47,16 @@ class MemoryLimit:
                 return value
         return None
 
+    def describe_kill(self, pid: int, *, kills_before: int | None, last_rss: int | None,
+                      share: str = "") -> str:
+        """`describe_kill` for a process of this limit's group; `kills_before`: the
+        group's oom_kill counter when the process started."""
+        kills = self.oom_kills()
+        counted = None if kills is None or kills_before is None else kills > kills_before
+        return describe_kill(pid, limit_bytes=self.limit_bytes, limit_source=self.source,
+                             group_counted=counted, peak_bytes=self.peak_bytes(),
+                             last_rss=last_rss, share=share)
+
     def peak_bytes(self) -> int | None:
         """The most the group has held (v2 memory.peak, v1 memory.max_usage_in_bytes)."""
         if self.group is None:
@@ -128,29 +138,28 @@ def kernel_says_oom_killed(pid: int) -> bool | None:
         os.close(fd)
 
 
-def describe_kill(pid: int, limit: MemoryLimit, *, kills_before: int | None,
-                  last_rss: int | None, share: str = "") -> str:
+def describe_kill(pid: int, *, limit_bytes: int, limit_source: str,
+                  group_counted: bool | None, peak_bytes: int | None, last_rss: int | None,
+                  share: str = "") -> str:
     """How a process killed by SIGKILL died, with the numbers: "was killed by the
-    kernel's OOM killer: ..." where the kernel confirms it, else "was killed by SIGKILL
-    (likely the OOM killer: ...)" or plainly, with what it held. `kills_before`: its
-    group's oom_kill counter when it started; `share`: what the plan gave it, in words."""
-    kills = limit.oom_kills()
-    confirmed = ((kills is not None and kills_before is not None and kills > kills_before)
-                 or kernel_says_oom_killed(pid) is True)
-    held = [f"limit {limit.limit_bytes // MIB} MiB ({limit.source})"]
-    peak = limit.peak_bytes()
-    if peak is not None:
-        held.append(f"the group held {peak // MIB} MiB at its peak")
+    kernel's OOM killer: ..." where the kernel confirms it (`group_counted`: its control
+    group's oom_kill counter went up while it ran; None: no counter to read, or its
+    log names `pid`), else "was killed by SIGKILL (likely the OOM killer: ...)" where its
+    last RSS was near the limit, or plainly. `share`: what the plan gave it, in words."""
+    confirmed = group_counted is True or kernel_says_oom_killed(pid) is True
+    held = [f"limit {limit_bytes // MIB} MiB ({limit_source})"]
+    if peak_bytes is not None:
+        held.append(f"{peak_bytes // MIB} MiB held at the peak")
     if last_rss is not None:
         held.append(f"its last RSS seen {last_rss // MIB} MiB")
     if share:
         held.append(share)
     numbers = "; ".join(held)
     if confirmed:
-        return f"was killed by the kernel's OOM killer: out of memory ({numbers})"
-    if last_rss is not None and last_rss >= LIKELY_OOM_SHARE * limit.limit_bytes:
+        return f"was killed by the kernel's OOM killer, out of memory ({numbers})"
+    if last_rss is not None and last_rss >= LIKELY_OOM_SHARE * limit_bytes:
         return f"was killed by SIGKILL (likely the OOM killer: {numbers})"
-    return f"was killed by SIGKILL ({numbers}; the kernel did not report an OOM kill)"
+    return f"was killed by SIGKILL ({numbers}; the kernel reported no OOM kill)"
 
 
 def _memory_groups(pid: int | str) -> list[Path]:

@@ -342,13 +342,18 @@ def _infeasible(costs: ModelCosts, stages: Sequence[tuple[Box, ...]]) -> PlantCo
 
     ranges, missing = best_split(costs.num_layers, len(stages), shortfall, _add)
     closest = evaluate(costs, stages, ranges)
-    short = [line for stage in closest.stages for box in stage.boxes
-             for line in _box_shortfall(costs, box, stage.layers)]
+    short = shortfalls(costs, closest)
     modes = {box.weights for boxes in stages for box in boxes}
     return PlantConfigError(
         f"the model does not fit these boxes: it needs at least {int(missing)} MiB "
         "more; the split that misses the least:\n" + "\n".join(short) + "\n"
         f"— {_remedies(modes)}")
+
+
+def shortfalls(costs: ModelCosts, result: Plan) -> list[str]:
+    """What each node of `result` lacks, a line for each (none: every node fits)."""
+    return [line for stage in result.stages for box in stage.boxes
+            for line in _box_shortfall(costs, box, stage.layers)]
 
 
 def _box_shortfall(costs: ModelCosts, box: Box, layers: LayerRange) -> list[str]:
