@@ -303,7 +303,8 @@ class PlantProcesses:
         code = proc.returncode
         child = self._by_name(name)
         if code == -signal.SIGKILL and child.memory is not None:
-            how = child.memory.describe_kill(proc.pid, kills_before=child.oom_kills_at_start,
+            how = child.memory.describe_kill(proc.pid, started_s=child.started_at,
+                                             kills_before=child.oom_kills_at_start,
                                              last_rss=child.last_rss)
         elif code < 0:
             try:

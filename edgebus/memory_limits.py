@@ -23,6 +23,11 @@ _UNLIMITED = 1 << 60
 # Bytes of the kernel log read when looking for an OOM kill: the ring buffer's default
 # size is 128-256 KiB, and an OOM report is a few KiB near its end.
 _KMSG_MAX_RECORDS = 4096
+# The kernel log stamps records with its own clock, which ran 2.2 s behind
+# time.monotonic() on the EPYC VM (measured by writing a record): a record counts as
+# being about a process if stamped after its start less this much, so that the kill of
+# an earlier process with the same pid is not taken for it.
+KMSG_CLOCK_SLACK_S = 60.0
 # A SIGKILLed process whose last RSS was this share of what it could use most likely met
 # the OOM killer, where the kernel would not say.
 LIKELY_OOM_SHARE = 0.8
@@ -47,13 +52,14 @@ class MemoryLimit:
                 return value
         return None
 
-    def describe_kill(self, pid: int, *, kills_before: int | None, last_rss: int | None,
-                      share: str = "") -> str:
+    def describe_kill(self, pid: int, *, started_s: float, kills_before: int | None,
+                      last_rss: int | None, share: str = "") -> str:
         """`describe_kill` for a process of this limit's group; `kills_before`: the
         group's oom_kill counter when the process started."""
         kills = self.oom_kills()
         counted = None if kills is None or kills_before is None else kills > kills_before
-        return describe_kill(pid, limit_bytes=self.limit_bytes, limit_source=self.source,
+        return describe_kill(pid, started_s=started_s, limit_bytes=self.limit_bytes,
+                             limit_source=self.source,
                              group_counted=counted, peak_bytes=self.peak_bytes(),
                              last_rss=last_rss, share=share)
 
@@ -114,8 +120,10 @@ def rss_bytes(pid: int) -> int | None:
     return None if found is None else int(found.group(1)) * 1024
 
 
-def kernel_says_oom_killed(pid: int) -> bool | None:
-    """Whether the kernel log reports the OOM killer killing `pid` (None: unreadable)."""
+def kernel_says_oom_killed(pid: int, since_s: float) -> bool | None:
+    """Whether the kernel log reports the OOM killer killing `pid` after `since_s` (the
+    time.monotonic() it started at, the clock of the log's stamps: so a process of the same
+    pid killed before is not it); None: the log is unreadable."""
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -131,22 +139,26 @@ def kernel_says_oom_killed(pid: int) -> bool | None:
                 continue  # EPIPE: a record was overwritten while reading; go on
             if not record:
                 return False
-            if pattern.search(record.decode(errors="replace")):
+            prefix, _, text = record.decode(errors="replace").partition(";")
+            fields = prefix.split(",")  # priority, sequence, microseconds since boot, ...
+            stamp_s = int(fields[2]) / 1e6 if len(fields) > 2 and fields[2].isdigit() else 0.0
+            if stamp_s >= since_s - KMSG_CLOCK_SLACK_S and pattern.search(text):
                 return True
         return False
     finally:
         os.close(fd)
 
 
-def describe_kill(pid: int, *, limit_bytes: int, limit_source: str,
+def describe_kill(pid: int, *, started_s: float, limit_bytes: int, limit_source: str,
                   group_counted: bool | None, peak_bytes: int | None, last_rss: int | None,
                   share: str = "") -> str:
     """How a process killed by SIGKILL died, with the numbers: "was killed by the
     kernel's OOM killer: ..." where the kernel confirms it (`group_counted`: its control
     group's oom_kill counter went up while it ran; None: no counter to read, or its
     log names `pid`), else "was killed by SIGKILL (likely the OOM killer: ...)" where its
-    last RSS was near the limit, or plainly. `share`: what the plan gave it, in words."""
-    confirmed = group_counted is True or kernel_says_oom_killed(pid) is True
+    last RSS was near the limit, or plainly. `started_s`: its time.monotonic() at start;
+    `share`: what the plan gave it, in words."""
+    confirmed = group_counted is True or kernel_says_oom_killed(pid, started_s) is True
     held = [f"limit {limit_bytes // MIB} MiB ({limit_source})"]
     if peak_bytes is not None:
         held.append(f"{peak_bytes // MIB} MiB held at the peak")

@@ -101,6 +101,7 @@ class Rehearsal:
         self.plant_path = workdir / "plant.yaml"
         self._saved_handlers: dict[int, object] = {}
         self.last_rss: dict[str, int] = {}  # agent -> its RSS when last seen (watch_memory)
+        self.started_at: dict[str, float] = {}  # agent -> time.monotonic() of its start
         # agent -> what the plan counted for it, in words (run_rehearse's fit check)
         self.planned: dict[str, str] = {}
 
@@ -251,6 +252,7 @@ class Rehearsal:
                 ["ip", "netns", "exec", namespace, *argv], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec)
         self.box_of[name] = box
+        self.started_at[name] = time.monotonic()
 
     # -- while running ---------------------------------------------------------
 
@@ -282,7 +284,8 @@ class Rehearsal:
         box = self.box_of[name]
         group = self.groups[box]
         # Each box's group is made for the rehearsal, its counter 0 before anything ran.
-        how = describe_kill(proc.pid, limit_bytes=self.share(box).memory_bytes,
+        how = describe_kill(proc.pid, started_s=self.started_at[name],
+                            limit_bytes=self.share(box).memory_bytes,
                             limit_source=f"box {box}: memory_mb x --memory-scale, its "
                             f"control group's limit", group_counted=group.oom_kills() > 0,
                             peak_bytes=group.peak_bytes(), last_rss=self.last_rss.get(name),
