@@ -90,6 +90,7 @@ def test_a_stage_killed_by_the_oom_killer_is_reported_with_the_numbers(
         with pytest.raises(EdgebusError) as caught:
             asyncio.run(start())
     message = str(caught.value)
+    print(message)
     assert re.search(rf"tiny \(pid \d+\) was killed by the kernel's OOM killer, out of memory "
                      rf"\(limit {TINY_MB} MiB \(box tiny: memory_mb x --memory-scale, its "
                      r"control group's limit\); \d+ MiB held at the peak", message), message
