@@ -200,6 +200,9 @@ class Box:
     positions: int = 0
     batch_positions: int = 0
     services: tuple[Service, ...] = ()
+    # A llama.cpp node's KV budget raised to hold this many requests of its range where
+    # `kv_bytes` holds fewer, as `edgebus init` writes it (0: `kv_bytes` as it is).
+    kv_requests: int = 0
 
     def memory(self, costs: ModelCosts, layers: LayerRange) -> Memory:
         """What this node holds running `layers`."""
@@ -210,8 +213,10 @@ class Box:
         if self.weights != "gguf" or shape is None or not self.positions:
             return Memory(weights=weights, kv=self.kv_bytes, process=costs.baseline_bytes,
                           services=services_bytes)
-        context = ContextShape(self.kv_bytes, self.positions, self.batch_positions)
         per_position = shape.kv_per_position(first, stop)
+        share = ContextShape(0, self.positions, self.batch_positions).share_bytes(per_position)
+        context = ContextShape(max(self.kv_bytes, self.kv_requests * share), self.positions,
+                               self.batch_positions)
         vocabulary = first == 0 or stop == costs.num_layers
         reserved = context.reserved_bytes(per_position)
         return Memory(
@@ -220,7 +225,7 @@ class Box:
                      + (shape.vocabulary_bytes() if vocabulary else 0)),
             process=costs.baseline_bytes, services=services_bytes,
             headroom=MMAP_HEADROOM_BYTES,
-            unheld_share=0 if reserved else context.share_bytes(per_position))
+            unheld_share=0 if reserved else share)
 
     def need_bytes(self, costs: ModelCosts, layers: LayerRange) -> int:
         """Memory this node needs to run `layers`: weights, KV, the process and the rest."""
@@ -265,13 +270,14 @@ class Plan:
 
 
 def plant_boxes(plant: Plant, *, memory_scale: float = 1.0,
-                placed: dict[str, tuple[Service, ...]] | None = None
-                ) -> list[tuple[Box, ...]]:
+                placed: dict[str, tuple[Service, ...]] | None = None,
+                kv_requests: int = 0) -> list[tuple[Box, ...]]:
     """The plant's pipeline stages in order, each as the boxes of its replica nodes.
 
     `memory_scale`: each box's memory_mb times this (a rehearsal's --memory-scale);
     `placed`: what else runs on which box (default: the broker where the plant file
-    puts it, the coordinator with it; placement.py).
+    puts it, the coordinator with it; placement.py); `kv_requests`: llama.cpp nodes'
+    budgets as `edgebus init` will raise them (Box.kv_requests).
     """
     if plant.boxes is None:
         raise PlantConfigError(
@@ -287,7 +293,7 @@ def plant_boxes(plant: Plant, *, memory_scale: float = 1.0,
                       kv_bytes=spec.kv_budget_mb * MIB, device=by_name[spec.node].device,
                       positions=context_shape(plant, spec.node).positions,
                       batch_positions=context_shape(plant, spec.node).batch_positions,
-                      services=placed.get(spec.node, ()))
+                      services=placed.get(spec.node, ()), kv_requests=kv_requests)
                   for spec in stage.nodes)
             for stage in plant.pipeline]
 

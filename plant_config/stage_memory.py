@@ -34,6 +34,12 @@ MIB = 1 << 20
 MAX_SEQUENCES = 256
 # llama.cpp sizes a sequence's share of the context in multiples of this many positions.
 CONTEXT_PAD = 256
+# `edgebus init` gives a llama.cpp node room for at least this many requests of the
+# plant's longest length: one request group's rows (node_agent/groups.py), so a batch
+# fits on every stage. llama.cpp reserves a request's whole share up front, so the
+# default 512 MiB held none on the 15-layer stage of the 1.3B seed model (600 MiB each).
+# The planner sizes the budgets it plans for `init` the same way (planner.Box.kv_requests).
+INIT_KV_REQUESTS = 4
 # Bytes of a float32 in llama.cpp's compute graph and logits.
 _FLOAT = 4
 

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
 from node_agent.model_config import kv_bytes_per_token
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
-from plant_config.stage_memory import context_shape
+from plant_config.stage_memory import INIT_KV_REQUESTS, context_shape
 
 if TYPE_CHECKING:
     from plant_config import Plant
 
-__all__ = ["ContextShape", "KvReservation", "StageEngine", "StageSlice", "context_shape",
-           "kv_reservation", "load_engine"]
+__all__ = ["INIT_KV_REQUESTS", "ContextShape", "KvReservation", "StageEngine", "StageSlice",
+           "context_shape", "kv_reservation", "load_engine"]
 
 # For tools and tests that load an engine outside a plant (agents pass their node's
 # shape): a request or two of 2048 positions, the plant's default prefill_chunk. llama.cpp
@@ -65,13 +65,6 @@ def kv_reservation(plant: Plant, node_id: str, config: Any) -> KvReservation:
     per_position = kv_bytes_per_token(config, spec.layers, KV_ITEM_BYTES)
     share = shape.sequence_positions * per_position
     return KvReservation(0, share, share * shape.sequences(per_position))
-
-
-# `edgebus init` gives a llama.cpp node room for at least this many requests of the
-# plant's longest length: one request group's rows (node_agent/groups.py), so a batch
-# fits on every stage. llama.cpp reserves a request's whole share up front, so the
-# default 512 MiB held none on the 15-layer stage of the 1.3B seed model (600 MiB each).
-INIT_KV_REQUESTS = 4
 
 
 def with_kv_budgets(plant: Plant, config: Any) -> Plant:
