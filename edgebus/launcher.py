@@ -561,6 +561,9 @@ def run_up(plant_path: Path) -> int:
     output), after stopping the rest.
     """
     with PlantProcesses(plant_path) as plant:
+        from node_agent.fit import check_plant_fits_here
+
+        check_plant_fits_here(plant.plant)  # before anything starts, as a box's node does
         return asyncio.run(_up(plant))
 
 

@@ -67,3 +67,20 @@ def test_a_box_too_small_for_the_stage_refuses_before_loading(tmp_path: Path,
     assert "stage-1 cannot hold layers [10, 20] on this box: it needs" in done.stderr, done.stderr
     assert f"the box has {TINY_BOX_MB} MiB for it (its control group's limit" in done.stderr
     assert not (tmp_path / "home" / "stages").exists()
+
+
+def test_up_refuses_a_plant_this_box_cannot_hold_before_starting_anything(
+        tmp_path: Path, tiny_box: Path) -> None:
+    plant = plant_file(tmp_path, kv_budget_mb=512)
+    done = subprocess.run([sys.executable, "-m", "edgebus", "up", str(plant)],
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: (tiny_box / "cgroup.procs").write_text(
+                              str(os.getpid())),
+                          env={**os.environ, "EDGEBUS_HOME": str(tmp_path / "home")})
+    assert done.returncode != 0
+    assert "this machine cannot hold the plant: its agents need" in done.stderr, done.stderr
+    assert f"its control group's limit ({TINY_BOX_MB} MiB" in done.stderr
+    for node in ("stage-0", "stage-1", "stage-2"):
+        assert f"  {node}: " in done.stderr
+    assert "started" not in done.stdout  # no broker, no agent
+    assert not (tmp_path / "home" / "stages").exists()
