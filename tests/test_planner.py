@@ -480,3 +480,16 @@ def test_a_llamacpp_plan_counts_what_the_box_holds(tmp_path: Path) -> None:
     # The split the issue ran (9/9/14) put the Jetson over its 2 GiB once all of that counts.
     issue_split = evaluate(costs, stages, [(0, 9), (9, 18), (18, 32)])
     assert not fits(issue_split)
+
+
+def test_init_budgets_are_planned_as_init_writes_them(tmp_path: Path) -> None:
+    """`edgebus init` raises a llama.cpp node's budget to 4 requests of its range after the
+    plan (with_kv_budgets): the plan counts those budgets, so a range 128 MiB holds no
+    request of is not ruled out, and its 4 shares are counted."""
+    plant = load_plant(seed_plant_8b(tmp_path, kv_budget_mb=128, prompt=4096, tokens=1024))
+    costs = llama3_costs(llamacpp_shape(plant.model))
+    stages = plant_boxes(plant, kv_requests=4)
+    memory = stages[2][0].memory(costs, (18, 32))
+    assert memory.unheld_share == 0 and memory.kv == 4 * 280 * MIB
+    # A range whose budget already holds more keeps the budget's whole shares.
+    assert stages[0][0].memory(costs, (0, 1)).kv == (128 // 20) * 20 * MIB
