@@ -44,25 +44,26 @@ INIT_KV_REQUESTS = 4
 _FLOAT = 4
 
 # RSS of an idle llama.cpp stage agent that is neither its weights, nor its KV, nor
-# llama.cpp's buffers, nor its vocabulary: `edgebus up` of the bundled SmolLM2 Q4_1 in 3
-# stages on the EPYC (2026-12-03), the middle stage online and idle held 592 MiB of RSS:
-# 541 MiB anonymous (487.5 KV + 27.0 compute buffer, as llama.cpp logs them: 26.8 MiB
-# left) and 51 MiB of file pages (21.2 MiB of its stage file: 30.1 MiB of libraries). 57
-# MiB, rounded up; no torch is imported (tests/test_no_torch.py).
+# llama.cpp's buffers, nor its vocabulary. Measured with `edgebus up` of the bundled
+# SmolLM2 Q4_1 in 3 stages (the default limits, 13 requests of 5120 positions a stage)
+# on the 2-vCPU EPYC, 2026-12-03, /proc/PID/status of the middle stage online and idle:
+# 541 MiB anonymous (RssAnon; 487.5 MiB of KV and 27.0 of compute buffer as llama.cpp
+# logs them: 26.3 MiB left) and 51.0 MiB of file pages (RssFile; 21.2 MiB of its stage
+# file: 29.8 MiB of libraries). 56 MiB, and room for what its heap grows by under load.
 IDLE_AGENT_BYTES = 64 * MIB
 # llama.cpp's tokenizer tables, per vocabulary entry, on the stages that keep the
-# tokenizer (stage_gguf.py: the first and the last): the first stage's anonymous memory
-# beyond the middle one's, less its larger buffers, was 22 MiB for SmolLM2's 49,152 tokens
-# (and 48,900 merges) in the same run: ~470 bytes a token.
-VOCAB_BYTES_PER_TOKEN = 512
-# The coordinator of a llama.cpp plant (llama.cpp's tokenizer, no torch): 87 MiB of RSS
-# idle and 89 MiB after 4 requests with SmolLM2 in the same run, 22 of them its
-# vocabulary (VOCAB_BYTES_PER_TOKEN): this plus the model's vocabulary.
+# tokenizer (stage_gguf.py: the first and the last). In the same run the first stage's
+# RssAnon was 24.4 MiB above the middle one's beyond its logits buffer, the last stage's
+# 22.0 MiB, for SmolLM2's 49,152 tokens (and 48,900 merges): 470-520 bytes a token.
+VOCAB_BYTES_PER_TOKEN = 576
+# The coordinator of a llama.cpp plant (llama.cpp's tokenizer, no torch): 84.8 MiB of
+# RSS idle and 87.2 MiB after 4 requests with SmolLM2 in the same run, ~27 MiB of which
+# its vocabulary (VOCAB_BYTES_PER_TOKEN): this plus the model's vocabulary.
 COORDINATOR_BYTES = 72 * MIB
-# Mosquitto idle: 8.3 MiB of RSS (Debian's 2.0, measured); it grows with the messages it
+# Mosquitto idle: 8.3 MiB of RSS (2.0.11, measured here); it grows with the messages it
 # queues for slow clients, which the coordinator's in-flight bound keeps to a few MiB.
 MOSQUITTO_BYTES = 16 * MIB
-# The embedded broker (amqtt, in Python): 57 MiB of RSS in the same run.
+# The embedded broker (amqtt, in Python): 56.9 MiB of RSS at its peak in the same run.
 EMBEDDED_BROKER_BYTES = 64 * MIB
 # Memory a box keeps free beyond what is counted. A box's stage GGUF is mmapped: its
 # pages are file pages, which the kernel reclaims first when a cgroup or the box is full,
