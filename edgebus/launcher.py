@@ -49,6 +49,7 @@ import aiomqtt
 from broker.exposure import refuse_open_listener
 from edgebus.client import BusClient
 from edgebus.errors import EdgebusError
+from edgebus.memory_limits import MemoryLimit, memory_limit, rss_bytes
 from edgebus.processes import child_setup, cores
 from edgebus.statuses import StatusReader
 from plant_config import Plant, load_plant
@@ -116,6 +117,16 @@ class _Child:
     deaths: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
     given_up: bool = False  # exited cleanly: left stopped, as systemd would
+    # What tells an OOM kill from another SIGKILL: the memory limit over the process, its
+    # control group's oom_kill counter when it started, its RSS when last seen.
+    memory: MemoryLimit | None = None
+    oom_kills_at_start: int | None = None
+    last_rss: int | None = None
+
+    def watch_memory(self) -> None:
+        """Note the process's RSS while it runs: what it held when it is killed."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.last_rss = rss_bytes(self.proc.pid) or self.last_rss
 
 
 def shared_threads(stages: int) -> int:
@@ -273,16 +284,23 @@ class PlantProcesses:
     def poll(self) -> tuple[str, int] | None:
         """(name, exit code) of the first child found exited, or None while all run."""
         for child in self._children:
+            child.watch_memory()
             if child.proc is not None and child.proc.poll() is not None:
                 return child.name, child.proc.returncode
         return None
 
     def describe_exit(self, name: str) -> str:
-        """E.g. "stage-1 (pid 4242) was killed by SIGKILL"."""
+        """E.g. "stage-1 (pid 4242) was killed by SIGTERM", or by the OOM killer, with the
+        memory limit and what it held."""
         proc = self._by_name(name).proc
         assert proc is not None and proc.returncode is not None
         code = proc.returncode
-        if code < 0:
+        child = self._by_name(name)
+        if code == -signal.SIGKILL and child.memory is not None:
+            how = child.memory.describe_kill(proc.pid, started_s=child.started_at,
+                                             kills_before=child.oom_kills_at_start,
+                                             last_rss=child.last_rss)
+        elif code < 0:
             try:
                 how = f"was killed by {signal.Signals(-code).name}"
             except ValueError:
@@ -342,6 +360,9 @@ class PlantProcesses:
                                           stderr=err, env=env, start_new_session=True,
                                           preexec_fn=child_setup(child.cpus))
             child.started_at = time.monotonic()
+        child.memory = memory_limit(child.proc.pid)
+        child.oom_kills_at_start = child.memory.oom_kills()
+        child.last_rss = None
         if child.log_path is not None:
             return
         assert child.proc.stdout is not None and child.proc.stderr is not None
@@ -535,6 +556,9 @@ def run_up(plant_path: Path) -> int:
     output), after stopping the rest.
     """
     with PlantProcesses(plant_path) as plant:
+        from node_agent.fit import check_plant_fits_here
+
+        check_plant_fits_here(plant.plant)  # before anything starts, as a box's node does
         return asyncio.run(_up(plant))
 
 
@@ -606,6 +630,7 @@ def _supervise(plant: PlantProcesses, now: float) -> int | None:
         proc = child.proc
         if proc is None or child.given_up:
             continue
+        child.watch_memory()
         if child.restart_at is None and proc.poll() is not None:
             how = plant.describe_exit(child.name)
             if not child.ever_online and proc.returncode >= 0:

@@ -20,10 +20,12 @@ other processes on shared cores.
 
 Memory: a stage's weight bytes are the file's tensors of its layers
 (gguf_model.part_bytes: the embedding on the first stage, the head on the
-last); the process baseline is the peak RSS of a fresh Python that imports a
-stage agent and loads llama.cpp, without torch, which such a stage never
-imports. The other weight modes' bytes are 0: a GGUF plant runs gguf only
-(plant_config/schema.py refuses the rest).
+last); the process baseline is an idle llama.cpp stage agent's, measured once
+(stage_memory.IDLE_AGENT_BYTES: no torch, which such a stage never imports);
+the file's shape (`llamacpp_shape`) sizes the KV and the buffers llama.cpp
+reserves at the plant's limits (plant_config/stage_memory.py). The other
+weight modes' bytes are 0: a GGUF plant runs gguf only (plant_config/schema.py
+refuses the rest).
 
 Cached in `$EDGEBUS_HOME/profiles/`, one file per GGUF path (the GGUF's own
 directory may be read-only), reused while the host, llama-cpp-python version
@@ -37,9 +39,8 @@ import hashlib
 import logging
 import os
 import platform
-import subprocess
-import sys
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,6 @@ import numpy as np
 from broker.mosquitto import mosquitto_binary
 from edgebus.errors import EngineError
 from edgebus.model_import import edgebus_home
-from edgebus.processes import proc_status_bytes
 from node_agent.costs import Measured, Sizes, costs_from, measure_message
 from node_agent.engines.base import ContextShape
 from node_agent.engines.llamacpp import library
@@ -57,6 +57,7 @@ from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, LlamaCppEngine
 from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes, read_config
 from node_agent.model_config import kv_bytes_per_token
 from plant_config.planner import BATCH_ROWS, PREFILL_POSITIONS, ModelCosts, PartBytes
+from plant_config.stage_memory import IDLE_AGENT_BYTES, LlamaCppShape
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +71,6 @@ ROUNDS = 3
 DECODE_STEPS = 8
 # Token ids drawn for the timing prompt: any ids the vocabulary holds time the same.
 _PROMPT_IDS = 1000
-# What a llama.cpp stage agent holds before its weights: its imports and llama.cpp loaded.
-_IDLE_AGENT_CODE = """
-import node_agent.stage
-from node_agent.engines.llamacpp import library
-library.llama()
-print(open("/proc/self/status").read())
-"""
-
-
 def cache_path(path: Path) -> Path:
     digest = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
     return edgebus_home() / PROFILE_DIR / f"{Path(path).stem}.{digest}.json"
@@ -94,7 +86,23 @@ def cache_key(path: Path) -> dict[str, Any]:
 
 
 def costs(measured: Measured, path: Path) -> ModelCosts:
-    return costs_from(measured, weight_sizes(path))
+    # The baseline of profiles cached before it was a measured constant is replaced too.
+    return replace(costs_from(measured, weight_sizes(path)), baseline_bytes=IDLE_AGENT_BYTES,
+                   llamacpp=llamacpp_shape(path))
+
+
+def llamacpp_shape(path: Path) -> LlamaCppShape:
+    """What sizes a llama.cpp node's KV and buffers, from the GGUF's metadata."""
+    config = read_config(path)
+    # An MoE layer's widest activations are its chosen experts' rows, side by side.
+    ffn = max(config.intermediate_size or 0,
+              (getattr(config, "moe_intermediate_size", None) or 0)
+              * (getattr(config, "num_experts_per_tok", None) or 0))
+    return LlamaCppShape(
+        kv_bytes=tuple(kv_bytes_per_token(config, (layer, layer + 1), KV_ITEM_BYTES)
+                       for layer in range(config.num_hidden_layers)),
+        heads=config.num_attention_heads, hidden=config.hidden_size, ffn=ffn,
+        vocab=config.vocab_size)
 
 
 def weight_sizes(path: Path) -> Sizes:
@@ -110,17 +118,8 @@ def weight_sizes(path: Path) -> Sizes:
             sizes(EMBEDDING), sizes(HEAD), bool(config.tie_word_embeddings))
 
 
-def idle_agent_rss() -> int:
-    """Peak RSS of a fresh llama.cpp stage agent before it loads a weight (in a child
-    process: the caller's own memory says nothing of an agent's)."""
-    result = subprocess.run([sys.executable, "-c", _IDLE_AGENT_CODE], capture_output=True,
-                            text=True, check=True)
-    return proc_status_bytes(result.stdout, "VmHWM")
-
-
 def measure(path: Path, *, rounds: int = ROUNDS) -> Measured:
     """Time every part of the GGUF at `path` on this machine (see the module doc)."""
-    baseline = idle_agent_rss()
     config = read_config(path)
     message = measure_message(config.hidden_size) if mosquitto_binary() is not None else None
     layers = config.num_hidden_layers
@@ -166,7 +165,7 @@ def measure(path: Path, *, rounds: int = ROUNDS) -> Measured:
 
     return Measured(layers=[times(1 + layer) for layer in range(layers)],
                     embedding=times(0), head=times(layers + 1), message=message,
-                    baseline_bytes=baseline, key=cache_key(path),
+                    baseline_bytes=IDLE_AGENT_BYTES, key=cache_key(path),
                     measured_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
 
 

@@ -64,6 +64,7 @@ from edgebus.errors import FrameError
 from edgebus.frames import Frame, Header, Kind, Peek
 from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.engines.base import Cache, CacheFull
+from node_agent.fit import check_fit
 from node_agent.memory import return_freed_memory
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, run_agent, serve_until, sparkplug_node
@@ -617,6 +618,7 @@ def _remember(memory: collections.OrderedDict[int, None], request: int) -> None:
 def run_stage(plant: Plant, node_id: str, threads: int | None = None) -> None:
     """`edgebus node PLANT --id NODE`: load the layers, then serve until SIGTERM."""
     spec = plant.node(node_id)
+    check_fit(plant, node_id)  # before anything loads: a box too small says so, not the kernel
 
     async def main(stop: asyncio.Event) -> None:
         # Kernel options are measured on this box at the first start (engines/tuning.py).

@@ -14,6 +14,7 @@ from plant_config.layout import even_split
 from plant_config.planner import ModelCosts, Plan, plan, plant_boxes
 from plant_config.problems import from_validation_error, plant_error
 from plant_config.schema import Plant, WeightMode
+from plant_config.stage_memory import INIT_KV_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ def example_plant(name: str, model_dir: str | os.PathLike[str], costs: ModelCost
             "stages": [{"node": box["name"], "layers": layers, "weights": weights}
                        for box, layers in zip(example.boxes, ranges, strict=True)]}
     plant = _validated(data)
-    return with_plan(plant, plan(costs, plant_boxes(plant)))
+    # llama.cpp nodes' budgets as `edgebus init` writes them after the plan (with_kv_budgets).
+    kv_requests = INIT_KV_REQUESTS if weights == "gguf" else 0
+    return with_plan(plant, plan(costs, plant_boxes(plant, kv_requests=kv_requests)))
 
 
 def with_plan(plant: Plant, result: Plan) -> Plant:

@@ -4,7 +4,12 @@ Pure functions over a measured cost model (`ModelCosts`, built by
 `node_agent.profile`) and the plant's boxes. A stage's time is its share of
 the model's per-request cost divided by its box's speed; a stage's memory is
 its weights in its node's weight mode, its KV budget and the baseline every
-agent process holds. The plan minimises the slowest stage's time subject to
+agent process holds; for a llama.cpp (`gguf`) node, what the box really holds
+(plant_config/stage_memory.py): the mmapped stage GGUF, the KV llama.cpp
+reserves at the plant's sequence limits, its buffers and vocabulary, the broker
+and the coordinator where they share the box, and headroom. A llama.cpp node
+whose budget holds no request of the plant's longest length cannot take the
+layers at all (it would refuse to start). The plan minimises the slowest stage's time subject to
 every node's memory budget, exactly: dynamic programming over all contiguous
 splits, O(stages x layers^2).
 
@@ -21,9 +26,18 @@ from typing import Any
 
 from edgebus.errors import PlantConfigError
 from plant_config.layout import LayerRange, show
+from plant_config.placement import Service, broker_box, services
 from plant_config.schema import Plant, WeightMode
-
-MIB = 1 << 20
+from plant_config.stage_memory import (
+    COORDINATOR_BYTES,
+    EMBEDDED_BROKER_BYTES,
+    MIB,
+    MMAP_HEADROOM_BYTES,
+    MOSQUITTO_BYTES,
+    ContextShape,
+    LlamaCppShape,
+    context_shape,
+)
 
 # The prefill the profile times: the coordinator's default prefill_chunk, the
 # most positions a stage runs in one call.
@@ -96,6 +110,8 @@ class ModelCosts:
     # None: not measured, Mosquitto was not installed where the model was profiled.
     message: MessageCost | None = None
     packed_fp32: bool = False
+    # The GGUF's shape, which sizes a llama.cpp node's KV and buffers (None: not a GGUF).
+    llamacpp: LlamaCppShape | None = None
 
     @property
     def num_layers(self) -> int:
@@ -140,8 +156,40 @@ class ModelCosts:
 
 
 @dataclass(frozen=True)
+class Memory:
+    """What a node holds running a range of layers, item by item, in bytes."""
+
+    weights: int
+    kv: int
+    buffers: int = 0   # llama.cpp's compute and logits buffers and its vocabulary
+    process: int = 0   # the agent process before any of the above
+    services: int = 0  # the broker and the coordinator, where they share the box
+    headroom: int = 0  # kept free so the box does not evict its mmapped weights
+    # llama.cpp's share of one request of the plant's longest length, where the KV budget
+    # holds none (0: it holds at least one, or the engine grows its KV as it goes)
+    unheld_share: int = 0
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.kv + self.buffers + self.process + self.services
+                + self.headroom)
+
+    def describe(self) -> str:
+        """E.g. "weights 1335 + KV 135 + llama.cpp buffers 210 + process 64 MiB"."""
+        items = [("weights", self.weights), ("KV", self.kv),
+                 ("llama.cpp buffers", self.buffers), ("process", self.process),
+                 ("broker and coordinator", self.services), ("headroom", self.headroom)]
+        return " + ".join(f"{name} {_mib_up(value)}" for name, value in items if value) + " MiB"
+
+
+@dataclass(frozen=True)
 class Box:
-    """One node as the planner sees it: its box's budget and speed, its stage's settings."""
+    """One node as the planner sees it: its box's budget and speed, its stage's settings.
+
+    `positions`, `batch_positions`: the plant's longest request and a call's most
+    positions, which size a llama.cpp node's context (0: not known, a node whose
+    KV budget is counted as it is). `services`: what else runs on the box.
+    """
 
     node: str
     memory_bytes: int
@@ -149,10 +197,52 @@ class Box:
     weights: WeightMode
     kv_bytes: int
     device: str | None = None
+    positions: int = 0
+    batch_positions: int = 0
+    services: tuple[Service, ...] = ()
+    # A llama.cpp node's KV budget raised to hold this many requests of its range where
+    # `kv_bytes` holds fewer, as `edgebus init` writes it (0: `kv_bytes` as it is).
+    kv_requests: int = 0
+
+    def memory(self, costs: ModelCosts, layers: LayerRange) -> Memory:
+        """What this node holds running `layers`."""
+        first, stop = layers
+        weights = costs.weight_bytes(layers, self.weights)
+        shape = costs.llamacpp
+        services_bytes = sum(_service_bytes(service, shape) for service in self.services)
+        if self.weights != "gguf" or shape is None or not self.positions:
+            return Memory(weights=weights, kv=self.kv_bytes, process=costs.baseline_bytes,
+                          services=services_bytes)
+        per_position = shape.kv_per_position(first, stop)
+        share = ContextShape(0, self.positions, self.batch_positions).share_bytes(per_position)
+        context = ContextShape(max(self.kv_bytes, self.kv_requests * share), self.positions,
+                               self.batch_positions)
+        vocabulary = first == 0 or stop == costs.num_layers
+        reserved = context.reserved_bytes(per_position)
+        return Memory(
+            weights=weights, kv=reserved,
+            buffers=(shape.context_bytes(context, vocabulary=vocabulary)
+                     + (shape.vocabulary_bytes() if vocabulary else 0)),
+            process=costs.baseline_bytes, services=services_bytes,
+            headroom=MMAP_HEADROOM_BYTES,
+            unheld_share=0 if reserved else share)
 
     def need_bytes(self, costs: ModelCosts, layers: LayerRange) -> int:
-        """Memory this node needs to run `layers`: weights, KV budget, the process itself."""
-        return costs.weight_bytes(layers, self.weights) + self.kv_bytes + costs.baseline_bytes
+        """Memory this node needs to run `layers`: weights, KV, the process and the rest."""
+        return self.memory(costs, layers).total
+
+    def fits(self, costs: ModelCosts, layers: LayerRange) -> bool:
+        """Whether this node can run `layers`: within its memory, its KV holding a request."""
+        memory = self.memory(costs, layers)
+        return memory.total <= self.memory_bytes and not memory.unheld_share
+
+
+def _service_bytes(service: Service, shape: LlamaCppShape | None) -> int:
+    if service == "mosquitto":
+        return MOSQUITTO_BYTES
+    if service == "embedded-broker":
+        return EMBEDDED_BROKER_BYTES
+    return COORDINATOR_BYTES + (shape.vocabulary_bytes() if shape is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -179,16 +269,31 @@ class Plan:
                            for stage in self.stages for box in stage.boxes]}
 
 
-def plant_boxes(plant: Plant) -> list[tuple[Box, ...]]:
-    """The plant's pipeline stages in order, each as the boxes of its replica nodes."""
+def plant_boxes(plant: Plant, *, memory_scale: float = 1.0,
+                placed: dict[str, tuple[Service, ...]] | None = None,
+                kv_requests: int = 0) -> list[tuple[Box, ...]]:
+    """The plant's pipeline stages in order, each as the boxes of its replica nodes.
+
+    `memory_scale`: each box's memory_mb times this (a rehearsal's --memory-scale);
+    `placed`: what else runs on which box (default: the broker where the plant file
+    puts it, the coordinator with it; placement.py); `kv_requests`: llama.cpp nodes'
+    budgets as `edgebus init` will raise them (Box.kv_requests).
+    """
     if plant.boxes is None:
         raise PlantConfigError(
             "the plant file has no boxes: section — the planner needs each stage node's box: "
             "add `boxes: [{name: NODE, memory_mb: MIB, speed: 1.0}, ...]` (docs/plant-file.md)")
+    if placed is None:
+        broker = broker_box(plant)
+        placed = services(plant, broker, broker)
     by_name = {box.name: box for box in plant.boxes}
-    return [tuple(Box(node=spec.node, memory_bytes=by_name[spec.node].memory_mb * MIB,
+    return [tuple(Box(node=spec.node,
+                      memory_bytes=int(by_name[spec.node].memory_mb * memory_scale * MIB),
                       speed=by_name[spec.node].speed, weights=spec.weights,
-                      kv_bytes=spec.kv_budget_mb * MIB, device=by_name[spec.node].device)
+                      kv_bytes=spec.kv_budget_mb * MIB, device=by_name[spec.node].device,
+                      positions=context_shape(plant, spec.node).positions,
+                      batch_positions=context_shape(plant, spec.node).batch_positions,
+                      services=placed.get(spec.node, ()), kv_requests=kv_requests)
                   for spec in stage.nodes)
             for stage in plant.pipeline]
 
@@ -221,7 +326,7 @@ def plan(costs: ModelCosts, stages: Sequence[tuple[Box, ...]]) -> Plan:
 
     def time_if_fits(index: int, layers: LayerRange) -> float:
         boxes = stages[index]
-        if any(box.need_bytes(costs, layers) > box.memory_bytes for box in boxes):
+        if not all(box.fits(costs, layers) for box in boxes):
             return math.inf
         return _replicas_ms(costs, boxes, layers)
 
@@ -235,24 +340,65 @@ def _infeasible(costs: ModelCosts, stages: Sequence[tuple[Box, ...]]) -> PlantCo
     """The error for a model that fits no split: the split missing the least memory, and where."""
 
     def shortfall(index: int, layers: LayerRange) -> float:
-        # In whole MiB per box, as the message shows them, so the total is their sum.
-        return sum(_mib_up(max(0, box.need_bytes(costs, layers) - box.memory_bytes))
-                   for box in stages[index])
+        # In whole MiB per box, as the message shows them, so the total is their sum; a KV
+        # budget that holds no request is short of one request's share.
+        return sum(_mib_up(max(0, memory.total - box.memory_bytes))
+                   + _mib_up(max(0, memory.unheld_share - box.kv_bytes))
+                   for box in stages[index] for memory in [box.memory(costs, layers)])
 
     ranges, missing = best_split(costs.num_layers, len(stages), shortfall, _add)
     closest = evaluate(costs, stages, ranges)
-    short = [f"  {box.node}: {_mib_up(need - box.memory_bytes)} MiB over its memory_mb "
-             f"{box.memory_bytes // MIB} with layers {show(stage.layers)} in {box.weights} "
-             f"(weights {_mib_up(costs.weight_bytes(stage.layers, box.weights))} + KV budget "
-             f"{box.kv_bytes // MIB} + process {_mib_up(costs.baseline_bytes)} MiB)"
-             for stage in closest.stages
-             for box, need in zip(stage.boxes, stage.need_bytes, strict=True)
-             if need > box.memory_bytes]
+    short = shortfalls(costs, closest)
+    modes = {box.weights for boxes in stages for box in boxes}
     return PlantConfigError(
         f"the model does not fit these boxes: it needs at least {int(missing)} MiB "
         "more; the split that misses the least:\n" + "\n".join(short) + "\n"
-        "— raise memory_mb, lower kv_budget_mb, choose a smaller weight mode (weights: bf16 "
-        "or int8) or add a box")
+        f"— {_remedies(modes)}")
+
+
+def shortfalls(costs: ModelCosts, result: Plan) -> list[str]:
+    """What each node of `result` lacks, a line for each (none: every node fits)."""
+    return [line for stage in result.stages for box in stage.boxes
+            for line in _box_shortfall(costs, box, stage.layers)]
+
+
+def _box_shortfall(costs: ModelCosts, box: Box, layers: LayerRange) -> list[str]:
+    """What `box` lacks running `layers`, a line for each kind: its memory, its KV budget."""
+    memory = box.memory(costs, layers)
+    lines = []
+    if memory.unheld_share:
+        lines.append(f"  {box.node}: kv_budget_mb {box.kv_bytes // MIB} holds no request of "
+                     f"{box.positions} positions on layers {show(layers)} "
+                     f"({_mib_up(memory.unheld_share)} MiB each), where llama.cpp reserves "
+                     "whole requests up front")
+    if memory.total > box.memory_bytes:
+        lines.append(f"  {box.node}: {_mib_up(memory.total - box.memory_bytes)} MiB over its "
+                     f"memory_mb {box.memory_bytes // MIB} with layers {show(layers)} in "
+                     f"{box.weights} ({memory.describe()})")
+    return lines
+
+
+# Weight modes from the most bytes a weight to the fewest (weight-modes.md).
+_SMALLER_MODES: dict[WeightMode, str] = {
+    "fp32": "weights: bf16, int8 or int4", "bf16": "weights: int8 or int4",
+    "int8": "weights: int4", "int4": "", "gguf": ""}
+
+
+def _remedies(modes: set[WeightMode]) -> str:
+    """What to change, for the weight modes the plant runs: a smaller mode than each."""
+    remedies = ["raise memory_mb"]
+    if "gguf" in modes:
+        remedies += ["size kv_budget_mb to whole requests (one at least) or lower the "
+                     "positions a request may reach (coordinator max_prompt_tokens + "
+                     "max_tokens_limit)",
+                     "cut a smaller GGUF type from the model (Q4_0 or Q4_K_M: ~0.56 bytes a "
+                     "weight, against Q8_0's 1.06 and F16's 2)"]
+    else:
+        remedies.append("lower kv_budget_mb")
+    smaller = sorted({_SMALLER_MODES[mode] for mode in modes} - {""})
+    if smaller:
+        remedies.append("choose a smaller weight mode (" + "; ".join(smaller) + ")")
+    return ", ".join(remedies) + " or add a box"
 
 
 def balanced_split(costs: ModelCosts, n_stages: int) -> list[LayerRange]:

@@ -342,7 +342,8 @@ async def test_kill_9_of_a_stage_node_under_up_loses_no_request_and_it_comes_bac
         assert response.error is None, response.error
         assert response.tokens == plant_reference(plant, request), request.id
     report = (tmp_path / "up.out").read_text()
-    assert f"{victim} (pid {online[victim].pid}) was killed by SIGKILL; restarting it" in report
+    assert f"{victim} (pid {online[victim].pid}) was killed by SIGKILL (limit " in report
+    assert "the kernel reported no OOM kill); restarting it" in report
     assert "security is off" not in report
 
 
@@ -422,7 +423,8 @@ async def test_an_agent_that_keeps_dying_stops_the_plant_with_exit_1(tiny_llama_
         assert wait_gone([*children, pid], STOP_S) == []
     report = (tmp_path / "up.out").read_text()
     assert report.count("restarting it in") == RESTART_LIMIT - 1
-    assert f"{victim} (pid {pid}) was killed by SIGKILL; it died {RESTART_LIMIT} times" in report
+    assert f"{victim} (pid {pid}) was killed by SIGKILL (limit " in report
+    assert f"the kernel reported no OOM kill); it died {RESTART_LIMIT} times" in report
     assert "plant stops" in report and f"edgebus up {plant_path}" in report
 
 

@@ -10,6 +10,8 @@ from itertools import combinations, pairwise
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -20,6 +22,7 @@ from edgebus.cli import main
 from edgebus.errors import PlantConfigError
 from node_agent.costs import model_costs
 from node_agent.engines import load_engine
+from node_agent.gguf_profile import llamacpp_shape
 from node_agent.profile import PROFILE_FILE
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
@@ -37,6 +40,14 @@ from plant_config.planner import (
     plant_boxes,
 )
 from plant_config.schema import WeightMode
+from plant_config.stage_memory import (
+    COORDINATOR_BYTES,
+    IDLE_AGENT_BYTES,
+    MMAP_HEADROOM_BYTES,
+    MOSQUITTO_BYTES,
+    ContextShape,
+    LlamaCppShape,
+)
 
 
 def hand_costs(decode_ms: list[float], layer_mib: list[int], *, embedding_ms: float = 0.0,
@@ -176,7 +187,7 @@ def test_infeasible_plan_says_how_much_is_missing_and_where() -> None:
     message = str(caught.value)
     assert missing_mib(caught.value) == 200
     assert "pi-1" in message or "pi-2" in message
-    assert "weights: bf16 or int8" in message  # says what to change
+    assert "weights: bf16, int8 or int4" in message  # says what to change: smaller modes
 
 
 def test_more_stages_than_layers() -> None:
@@ -364,3 +375,121 @@ def test_planning_needs_boxes(tmp_path: Path, smollm2_dir: Path) -> None:
                                                {"name": "b", "memory_mb": 200}], model)))
     assert [[b.memory_bytes for b in s] for s in plant_boxes(load_plant(path))] == [
         [100 * MIB], [200 * MIB]]
+
+
+# -- llama.cpp nodes: what the box really holds ----------------------------------------------
+
+# Llama-3-8B as its GGUF's metadata says: 32 layers 4096 wide, 32 heads over 8 KV heads of
+# 128, a 14,336-wide FFN, 128,256 tokens.
+LLAMA3_8B = {"block_count": 32, "embedding_length": 4096, "attention.head_count": 32,
+             "attention.head_count_kv": 8, "feed_forward_length": 14336, "vocab_size": 128256}
+# Q4_0 (18 bytes a block of 32 weights) of its shapes: a layer's 218.1 M weights, the
+# embedding's and the LM head's 525.3 M each.
+LLAMA3_8B_Q4_0_LAYER = 218_103_808 * 18 // 32
+LLAMA3_8B_Q4_0_VOCAB = 525_336_576 * 18 // 32
+
+
+def header_gguf(path: Path, metadata: dict[str, int]) -> Path:
+    """A llama GGUF whose metadata has `metadata`'s shape, with a 1-element tensor per part:
+    what the planner reads of a file is its header."""
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value in metadata.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_tokenizer_model("gpt2")
+    for name in ["token_embd.weight", "output.weight", "output_norm.weight",
+                 *(f"blk.{layer}.attn_norm.weight" for layer in range(metadata["block_count"]))]:
+        writer.add_tensor(name, np.zeros(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def llama3_costs(shape: LlamaCppShape) -> ModelCosts:
+    """Llama-3-8B in Q4_0 run by llama.cpp: every layer 1 ms, the head as 4 layers."""
+    layer = PartBytes(0, 0, 0, 0, gguf=LLAMA3_8B_Q4_0_LAYER)
+    vocab = PartBytes(0, 0, 0, 0, gguf=LLAMA3_8B_Q4_0_VOCAB)
+    return ModelCosts(layers=(PartCost(0.0, 1.0, 1.0),) * 32, embedding=PartCost(0.0, 0.0, 0.0),
+                      head=PartCost(0.0, 4.0, 4.0), layer_bytes=(layer,) * 32,
+                      embedding_bytes=vocab, head_bytes=vocab, tied=False,
+                      baseline_bytes=IDLE_AGENT_BYTES, llamacpp=shape)
+
+
+def seed_plant_8b(tmp_path: Path, *, kv_budget_mb: int, prompt: int, tokens: int) -> Path:
+    """The seed's three boxes (Mosquitto on the Jetson) of 2 GiB each, on the 8B shape."""
+    model = header_gguf(tmp_path / "llama3-8b.gguf", LLAMA3_8B)
+    boxes = [("pi-1", 1.0), ("pi-2", 1.0), ("jetson", 3.0)]
+    data = {"plant_id": "p", "topic_root": "edgebus/p", "model": str(model),
+            "broker": {"url": "mqtt://jetson:1883"},
+            "coordinator": {"max_prompt_tokens": prompt, "max_tokens_limit": tokens},
+            "boxes": [{"name": name, "memory_mb": 2048, "speed": speed} for name, speed in boxes],
+            "stages": [{"node": name, "layers": layers, "weights": "gguf",
+                        "kv_budget_mb": kv_budget_mb}
+                       for (name, _), layers in zip(boxes, [[0, 9], [9, 18], [18, 32]],
+                                                    strict=True)]}
+    path = tmp_path / "plant.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_llamacpp_shape_is_read_from_the_gguf_header(tmp_path: Path) -> None:
+    model = header_gguf(tmp_path / "llama3-8b.gguf", LLAMA3_8B)
+    shape = llamacpp_shape(model)
+    # f16 keys and values of 8 KV heads of 128: 4 KiB a position a layer.
+    assert shape == LlamaCppShape(kv_bytes=(4096,) * 32, heads=32, hidden=4096, ffn=14336,
+                                  vocab=128256)
+    # The issue's case: a request of 5120 positions on layers [18, 32) reserves 280 MiB.
+    assert ContextShape(128 * MIB, 5120, 128).share_bytes(
+        shape.kv_per_position(18, 32)) == 280 * MIB
+
+
+def test_a_kv_budget_that_holds_no_request_is_refused_by_the_plan(tmp_path: Path) -> None:
+    plant = load_plant(seed_plant_8b(tmp_path, kv_budget_mb=128, prompt=4096, tokens=1024))
+    costs = llama3_costs(llamacpp_shape(plant.model))
+    with pytest.raises(PlantConfigError) as caught:
+        plan(costs, plant_boxes(plant))
+    message = str(caught.value)
+    # 20 MiB a layer: 128 MiB holds a request on 6 layers at most, 18 of the 32 on 3 boxes.
+    assert re.search(r"kv_budget_mb 128 holds no request of 5120 positions on layers "
+                     r"\[\d+, \d+\] \(\d+ MiB each\)", message), message
+    # Remedies for a GGUF plant: a smaller GGUF type and fewer positions, never torch modes.
+    assert "Q4_0" in message and "max_prompt_tokens" in message
+    assert "bf16" not in message and "int8" not in message
+
+
+def test_a_llamacpp_plan_counts_what_the_box_holds(tmp_path: Path) -> None:
+    plant = load_plant(seed_plant_8b(tmp_path, kv_budget_mb=160, prompt=1024, tokens=256))
+    shape = llamacpp_shape(plant.model)
+    costs = llama3_costs(shape)
+    stages = plant_boxes(plant)
+    result = plan(costs, stages)
+    assert fits(result) and sum(layer_counts(result)) == 32
+    jetson = result.stages[2].boxes[0]
+    assert jetson.services == ("mosquitto", "coordinator")
+    memory = jetson.memory(costs, result.stages[2].layers)
+    first, stop = result.stages[2].layers
+    share = 1280 * 4096 * (stop - first)  # 1024 + 256 positions, already a multiple of 256
+    assert memory.kv == (160 * MIB // share) * share  # whole shares, as llama.cpp reserves
+    assert memory.weights == (stop - first) * LLAMA3_8B_Q4_0_LAYER + LLAMA3_8B_Q4_0_VOCAB
+    assert memory.services == MOSQUITTO_BYTES + COORDINATOR_BYTES + shape.vocabulary_bytes()
+    assert memory.headroom == MMAP_HEADROOM_BYTES and memory.process == IDLE_AGENT_BYTES
+    assert memory.buffers == (shape.context_bytes(ContextShape(160 * MIB, 1280, 128),
+                                                  vocabulary=True)
+                              + shape.vocabulary_bytes())
+    # The split the issue ran (9/9/14) put the Jetson over its 2 GiB once all of that counts.
+    issue_split = evaluate(costs, stages, [(0, 9), (9, 18), (18, 32)])
+    assert not fits(issue_split)
+
+
+def test_init_budgets_are_planned_as_init_writes_them(tmp_path: Path) -> None:
+    """`edgebus init` raises a llama.cpp node's budget to 4 requests of its range after the
+    plan (with_kv_budgets): the plan counts those budgets, so a range 128 MiB holds no
+    request of is not ruled out, and its 4 shares are counted."""
+    plant = load_plant(seed_plant_8b(tmp_path, kv_budget_mb=128, prompt=4096, tokens=1024))
+    costs = llama3_costs(llamacpp_shape(plant.model))
+    stages = plant_boxes(plant, kv_requests=4)
+    memory = stages[2][0].memory(costs, (18, 32))
+    assert memory.unheld_share == 0 and memory.kv == 4 * 280 * MIB
+    # A range whose budget already holds more keeps the budget's whole shares.
+    assert stages[0][0].memory(costs, (0, 1)).kv == (128 // 20) * 20 * MIB

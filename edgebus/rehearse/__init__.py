@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edgebus.errors import EdgebusError
+from edgebus.rehearse.fit import check_boxes
 from edgebus.rehearse.rehearsal import Options, Rehearsal
 from edgebus.rehearse.report import box_table, predict, summary
 from edgebus.rehearse.sizing import box_shares
@@ -75,18 +76,28 @@ def one_box_variant(plant: Plant, box: str, options: Options) -> tuple[Plant, Op
 
 
 async def rehearse_plant(plant: Plant, workdir: Path, options: Options, workload: Workload,
-                         progress: Callable[[str], None]) -> tuple[Rehearsal, Measurement]:
-    """Build `plant`'s boxes, run `workload` once warm, tear down; the measurement."""
+                         progress: Callable[[str], None], *,
+                         planned: dict[str, str] | None = None
+                         ) -> tuple[Rehearsal, Measurement]:
+    """Build `plant`'s boxes, run `workload` once warm, tear down; the measurement.
+    `planned`: what the plan counts for each node, in words, for the report of a death."""
     with Rehearsal(plant, workdir, options, progress=progress) as rehearsal:
+        rehearsal.planned = planned or {}
         started = time.time()
         rehearsal.start()
         async with Client(rehearsal.plant) as client:
             progress("waiting for every agent to load its layers and come online")
             await wait_online(rehearsal, client, since=started)
-            progress("warming up")
-            await measure(rehearsal, client, Workload(1, WARMUP_TOKENS), "warmup-")
-            progress(f"workload: {workload.requests} requests x {workload.tokens} tokens")
-            measured = await measure(rehearsal, client, workload, "r-")
+            try:
+                progress("warming up")
+                await measure(rehearsal, client, Workload(1, WARMUP_TOKENS), "warmup-")
+                progress(f"workload: {workload.requests} requests x {workload.tokens} tokens")
+                measured = await measure(rehearsal, client, workload, "r-")
+            except EdgebusError as exc:
+                raise EdgebusError("; ".join([str(exc), *map(rehearsal.describe_exit,
+                                                            rehearsal.dead())])) from None
+            for name in rehearsal.dead():
+                progress(rehearsal.describe_exit(name))
         progress("tearing down")
     return rehearsal, measured
 
@@ -129,15 +140,29 @@ def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, to
     if compare_one_box is not None:
         alone, alone_options = one_box_variant(plant, compare_one_box, options)
         variants.append((f"{compare_one_box} alone", alone, alone_options))
+    # Every variant's boxes against what the planner counts, before anything starts.
+    checked = {name: check_boxes(variant, costs, variant_options)
+               for name, variant, variant_options in variants}
+    over = checked["plant file"][0]
+    if over:
+        raise EdgebusError("the plant's boxes cannot hold their parts as rehearsed (memory_mb x "
+                           "--memory-scale), so nothing was started:\n" + "\n".join(over)
+                           + "\n— `edgebus plan` splits the layers to fit, with remedies")
     workdir = Path(tempfile.mkdtemp(prefix="edgebus-rehearse-"))
     results = []
     ok = False
     try:
         for name, variant, variant_options in variants:
+            refused, planned = checked[name]
+            if refused:
+                print(f"\n{name}: refused before loading, as a box that cannot hold it would "
+                      "be:\n" + "\n".join(refused) + "\n")
+                continue
             progress(f"== {name}: " + ", ".join(f"{s.node} {list(s.layers)}"
                                                 for s in variant.stages))
             rehearsal, measured = asyncio.run(rehearse_plant(
-                variant, workdir / name.replace(" ", "-"), variant_options, workload, progress))
+                variant, workdir / name.replace(" ", "-"), variant_options, workload, progress,
+                planned=planned))
             prediction = predict(rehearsal.plant, costs, rehearsal.shares, workload.requests,
                                  variant_options.batch_groups or len(variant.pipeline),
                                  rehearsal.broker_box, rehearsal.coordinator_box)

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from edgebus.errors import EdgebusError
+from edgebus.memory_limits import describe_kill, rss_bytes
 from edgebus.processes import child_setup
 from edgebus.rehearse import cgroups, leftovers, netns
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
@@ -99,6 +100,10 @@ class Rehearsal:
         self.plant: Plant = plant  # the rewritten copy once start() has run
         self.plant_path = workdir / "plant.yaml"
         self._saved_handlers: dict[int, object] = {}
+        self.last_rss: dict[str, int] = {}  # agent -> its RSS when last seen (watch_memory)
+        self.started_at: dict[str, float] = {}  # agent -> time.monotonic() of its start
+        # agent -> what the plan counted for it, in words (run_rehearse's fit check)
+        self.planned: dict[str, str] = {}
 
     # -- setup --------------------------------------------------------------
 
@@ -247,6 +252,7 @@ class Rehearsal:
                 ["ip", "netns", "exec", namespace, *argv], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec)
         self.box_of[name] = box
+        self.started_at[name] = time.monotonic()
 
     # -- while running ---------------------------------------------------------
 
@@ -266,6 +272,31 @@ class Rehearsal:
         """Agents (and the broker) that have exited, with their exit codes."""
         return {name: code for name, proc in self.procs.items()
                 if (code := proc.poll()) is not None}
+
+    def describe_exit(self, name: str) -> str:
+        """How `name` (an agent, or "broker") ended, e.g. "jetson (pid 4242) was killed by
+        the kernel's OOM killer, out of memory (limit 700 MiB ...)"."""
+        proc = self.procs[name]
+        code = proc.returncode
+        assert code is not None
+        if code != -signal.SIGKILL:
+            return f"{name} (pid {proc.pid}) exited with code {code}"
+        box = self.box_of[name]
+        group = self.groups[box]
+        # Each box's group is made for the rehearsal, its counter 0 before anything ran.
+        how = describe_kill(proc.pid, started_s=self.started_at[name],
+                            limit_bytes=self.share(box).memory_bytes,
+                            limit_source=f"box {box}: memory_mb x --memory-scale, its "
+                            f"control group's limit", group_counted=group.oom_kills() > 0,
+                            peak_bytes=group.peak_bytes(), last_rss=self.last_rss.get(name),
+                            share=self.planned.get(name, ""))
+        return f"{name} (pid {proc.pid}) {how}"
+
+    def watch_memory(self) -> None:
+        """Note every running agent's RSS: what it held if it is killed."""
+        for name, proc in self.procs.items():
+            if proc.poll() is None and (rss := rss_bytes(proc.pid)) is not None:
+                self.last_rss[name] = rss
 
     def log_tail(self, name: str) -> str:
         path = self.workdir / "logs" / f"{name}.log"

@@ -155,12 +155,11 @@ async def wait_online(rehearsal: Rehearsal, client: Client, *, since: float = 0.
         reported |= online
         if online == set(agents):
             return
-        dead = {name: code for name, code in rehearsal.dead().items()
-                if name in agents or name == "broker"}
+        rehearsal.watch_memory()
+        dead = [name for name in rehearsal.dead() if name in agents or name == "broker"]
         if dead:
-            name, code = next(iter(dead.items()))
-            raise EdgebusError(f"{name} exited with code {code} before the plant came online:"
-                               f"\n{rehearsal.log_tail(name)}")
+            raise EdgebusError(f"{rehearsal.describe_exit(dead[0])} before the plant came "
+                               f"online:\n{rehearsal.log_tail(dead[0])}")
         if time.monotonic() > deadline:
             missing = ", ".join(sorted(set(agents) - online))
             raise EdgebusError(f"not online after {timeout:.0f} s: {missing}")

@@ -24,16 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgebus.errors import EngineError
-from edgebus.frames import MAX_BATCH_ROWS
 from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
 from node_agent.model_config import kv_bytes_per_token
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
+from plant_config.stage_memory import INIT_KV_REQUESTS, context_shape
 
 if TYPE_CHECKING:
     from plant_config import Plant
 
-__all__ = ["ContextShape", "KvReservation", "StageEngine", "StageSlice", "context_shape",
-           "kv_reservation", "load_engine"]
+__all__ = ["INIT_KV_REQUESTS", "ContextShape", "KvReservation", "StageEngine", "StageSlice",
+           "context_shape", "kv_reservation", "load_engine"]
 
 # What the `torch` extra installs (pyproject.toml) for the torch and onnxruntime engines. A
 # base install, as a llama.cpp box has, lacks them: a stage of those engines says which extra
@@ -44,16 +44,6 @@ TORCH_EXTRA_MODULES = frozenset({"torch", "transformers", "safetensors", "accele
 # shape): a request or two of 2048 positions, the plant's default prefill_chunk. llama.cpp
 # allocates the whole budget at load, so it is kept small.
 DEFAULT_SHAPE = ContextShape(kv_budget_bytes=128 * 2**20, positions=2048, batch_positions=128)
-
-
-def context_shape(plant: Plant, node_id: str) -> ContextShape:
-    """What `node_id` may hold: its KV budget, a request's longest length, a call's most
-    positions (a prompt chunk, or a batch of decode rows)."""
-    coordinator = plant.coordinator
-    return ContextShape(
-        kv_budget_bytes=plant.node(node_id).kv_budget_mb * 2**20,
-        positions=coordinator.max_prompt_tokens + coordinator.max_tokens_limit,
-        batch_positions=max(coordinator.prefill_chunk, MAX_BATCH_ROWS))
 
 
 @dataclass(frozen=True)
@@ -81,13 +71,6 @@ def kv_reservation(plant: Plant, node_id: str, config: Any) -> KvReservation:
     per_position = kv_bytes_per_token(config, spec.layers, KV_ITEM_BYTES)
     share = shape.sequence_positions * per_position
     return KvReservation(0, share, share * shape.sequences(per_position))
-
-
-# `edgebus init` gives a llama.cpp node room for at least this many requests of the
-# plant's longest length: one request group's rows (node_agent/groups.py), so a batch
-# fits on every stage. llama.cpp reserves a request's whole share up front, so the
-# default 512 MiB held none on the 15-layer stage of the 1.3B seed model (600 MiB each).
-INIT_KV_REQUESTS = 4
 
 
 def with_kv_budgets(plant: Plant, config: Any) -> Plant:

@@ -25,6 +25,7 @@ import numpy as np
 
 from edgebus.errors import CheckpointError, EngineError
 from node_agent.model_config import kv_bytes_per_token
+from plant_config.stage_memory import ContextShape as ContextShape  # the engines size by it
 
 if TYPE_CHECKING:
     # Only the torch and onnxruntime engines use torch: a llama.cpp box has none.
@@ -51,38 +52,6 @@ class Cache(Protocol):
 # 46 ms, of 2 requests from 61 to 48 ms. Other CPUs differ, so a stage measures
 # it at first load (node_agent/engines/tuning.py): this is the default.
 MIN_ROWS = 4
-# llama.cpp's own limit on sequences in one context (LLAMA_MAX_SEQ).
-MAX_SEQUENCES = 256
-# llama.cpp sizes a sequence's share of the context in multiples of this many positions.
-CONTEXT_PAD = 256
-
-
-@dataclass(frozen=True)
-class ContextShape:
-    """What the plant lets one node hold, for engines that size their memory up front.
-
-    kv_budget_bytes: the node's `kv_budget_mb`; positions: the most positions one
-    request can reach (prompt plus max_tokens); batch_positions: the most positions
-    one call carries (a prompt chunk, or a batch of decode rows).
-
-    llama.cpp, with a KV stream per sequence, gives every sequence the same
-    share of its context, fixed when the context is made: a request reserves
-    `sequence_positions` however long it turns out, and the budget holds
-    `sequences(...)` requests.
-    """
-
-    kv_budget_bytes: int
-    positions: int
-    batch_positions: int
-
-    @property
-    def sequence_positions(self) -> int:
-        return -(-self.positions // CONTEXT_PAD) * CONTEXT_PAD
-
-    def sequences(self, bytes_per_position: int) -> int:
-        """Requests the budget holds at once, each with room for `positions`."""
-        return min(MAX_SEQUENCES,
-                   self.kv_budget_bytes // (self.sequence_positions * bytes_per_position))
 
 
 class CacheFull(EngineError):

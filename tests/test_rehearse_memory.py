@@ -1,0 +1,97 @@
+"""Memory in a rehearsal: boxes that cannot hold their part are refused before anything
+starts, with the numbers; a stage the kernel's OOM killer ends is reported as such, with
+its box's limit and what the box held, not as "exited with code -9"."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from pathlib import Path
+
+import optional
+import pytest
+from tiny_models import build_tiny
+
+from edgebus.cli import main
+from edgebus.errors import EdgebusError
+from edgebus.model_import import bundled_gguf
+from edgebus.processes import cores
+from edgebus.rehearse import Options, Rehearsal, one_box_variant
+from edgebus.rehearse.fit import check_boxes
+from edgebus.rehearse.rehearsal import missing
+from edgebus.rehearse.workload import Client, wait_online
+from node_agent.costs import model_costs
+from plant_config import BrokerSettings, Plant, StageSpec, make_plant, write_plant
+from plant_config.schema import BoxSpec
+
+# SmolLM2's 10-layer llama.cpp stage with a 64 MiB KV budget needs ~340 MiB on its box.
+SMALL_BOX_MB = 256
+ROOMY_MB = 1024
+# Less than a Python importing torch holds (~300 MiB): a torch stage cannot start in it.
+TINY_MB = 120
+
+
+def gguf_plant(tmp_path: Path, memory_mb: int) -> Path:
+    plant = make_plant(bundled_gguf(), stages=3, weights="gguf")
+    stages = [spec.model_copy(update={"kv_budget_mb": 64}) for spec in plant.stages]
+    boxes = [BoxSpec(name=spec.node, memory_mb=memory_mb) for spec in stages]
+    path = tmp_path / "plant.yaml"
+    write_plant(plant.model_copy(update={"stages": stages, "boxes": boxes}), path)
+    return path
+
+
+def test_boxes_too_small_are_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # No root needed: the check comes before any namespace or control group.
+    with pytest.raises(SystemExit) as exited:
+        main(["rehearse", str(gguf_plant(tmp_path, SMALL_BOX_MB))])
+    assert exited.value.code != 0
+    err = capsys.readouterr().err
+    assert "cannot hold their parts as rehearsed" in err and "nothing was started" in err, err
+    assert re.search(rf"stage-0: \d+ MiB over its memory_mb {SMALL_BOX_MB} with layers "
+                     r"\[0, 10\] in gguf \(weights \d+ \+ KV \d+ \+ llama.cpp buffers \d+ \+ "
+                     r"process 64 \+ broker and coordinator \d+ \+ headroom 64 MiB\)", err), err
+
+
+def test_one_box_alone_is_refused_when_it_cannot_hold_the_model(tmp_path: Path) -> None:
+    from plant_config import load_plant
+
+    plant = load_plant(gguf_plant(tmp_path, ROOMY_MB // 2))
+    costs, _, _ = model_costs(bundled_gguf())
+    options = Options(cpu_total=1.0)
+    assert check_boxes(plant, costs, options)[0] == []  # the plant itself fits
+    alone, alone_options = one_box_variant(plant, "stage-2", options)
+    refused, _ = check_boxes(alone, costs, alone_options)
+    # 64 MiB holds no request of 5120 positions on all 30 layers (113 MiB each).
+    assert refused and "stage-2: kv_budget_mb 64 holds no request of 5120 positions on " \
+        "layers [0, 30] (113 MiB each)" in refused[0], refused
+
+
+@optional.needs(missing(), "a rehearsal")
+@optional.HOST_NETWORK
+def test_a_stage_killed_by_the_oom_killer_is_reported_with_the_numbers(
+        tmp_path: Path, smollm2_dir: Path) -> None:
+    model = build_tiny("llama", tmp_path / "model", smollm2_dir)
+    plant = Plant(
+        plant_id="rehearse", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
+        broker=BrokerSettings(url="mqtt://roomy:1883"), model=model,
+        boxes=[BoxSpec(name="roomy", memory_mb=ROOMY_MB), BoxSpec(name="tiny",
+                                                                  memory_mb=TINY_MB)],
+        stages=[StageSpec(node="roomy", layers=(0, 3)), StageSpec(node="tiny", layers=(3, 6))])
+
+    async def start() -> None:
+        async with Client(running.plant) as client:
+            await wait_online(running, client, timeout=300)
+
+    with Rehearsal(plant, tmp_path / "rehearse", Options(cpu_total=float(cores())),
+                   progress=print) as running:
+        running.start()
+        with pytest.raises(EdgebusError) as caught:
+            asyncio.run(start())
+    message = str(caught.value)
+    print(message)
+    assert re.search(rf"tiny \(pid \d+\) was killed by the kernel's OOM killer, out of memory "
+                     rf"\(limit {TINY_MB} MiB \(box tiny: memory_mb x --memory-scale, its "
+                     r"control group's limit\); \d+ MiB held at the peak", message), message
+    assert "before the plant came online" in message
