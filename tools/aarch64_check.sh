@@ -15,6 +15,9 @@
 #   EDGEBUS_ARM_TESTS  the test files to run (default: TESTS below); "all" runs every
 #                      test file, which takes hours under emulation
 #   EDGEBUS_ARM_CPU    the emulated core (default cortex-a76)
+#   EDGEBUS_ARM_MIXED_PYTHON  an x86 python with edgebus installed: then a mixed plant
+#                      too, x86 coordinator and stage-0 with aarch64 stages
+#                      (tools/aarch64_mixed.py)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -162,10 +165,20 @@ enter() {
 }
 
 in_rootfs() {  # a command inside, on the emulated CPU
-    QEMU_CPU=$CPU chroot "$ROOTFS" /usr/bin/env -i QEMU_CPU="$CPU" HOME=/root LANG=C.UTF-8 \
-        PATH=/opt/edgebus/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        PIP_CERT=/etc/ssl/certs/host-ca.crt SSL_CERT_FILE=/etc/ssl/certs/host-ca.crt \
-        PIP_CACHE_DIR=/check/cache/pip PIP_DISABLE_PIP_VERSION_CHECK=1 "$@"
+    "$WORK/in-rootfs" "$@"
+}
+
+write_in_rootfs() {  # as a command of its own, which tools/aarch64_mixed.py runs too
+    cat >"$WORK/in-rootfs" <<END
+#!/bin/sh
+# Runs its arguments in $ROOTFS on an emulated $CPU (tools/aarch64_check.sh).
+# qemu reads QEMU_CPU when the kernel hands it the first aarch64 program; env -i keeps it.
+QEMU_CPU=$CPU exec chroot "$ROOTFS" /usr/bin/env -i QEMU_CPU=$CPU HOME=/root LANG=C.UTF-8 \\
+    PATH=/opt/edgebus/bin:/usr/sbin:/usr/bin:/sbin:/bin \\
+    PIP_CERT=/etc/ssl/certs/host-ca.crt SSL_CERT_FILE=/etc/ssl/certs/host-ca.crt \\
+    PIP_CACHE_DIR=/check/cache/pip PIP_DISABLE_PIP_VERSION_CHECK=1 "\$@"
+END
+    chmod +x "$WORK/in-rootfs"
 }
 
 install_edgebus() {
@@ -200,6 +213,11 @@ plant() {
     in_rootfs python /check/src/tools/aarch64_plant.py
 }
 
+mixed_plant() {
+    "$EDGEBUS_ARM_MIXED_PYTHON" "$REPO/tools/aarch64_mixed.py" --rootfs "$ROOTFS" \
+        --in-rootfs "$WORK/in-rootfs"
+}
+
 mkdir -p "$WORK"
 : >"$TIMES"
 log "llama-cpp-python $PIN for $ARM_ARCH on $CPU; cache $CACHE"
@@ -210,7 +228,9 @@ build=$!
 step "root filesystem" rootfs
 wait "$build" || die "the cross build"
 enter
+write_in_rootfs
 step "install without torch" install_edgebus
 step "torch-free tests" torch_free_tests
 step "3-stage plant vs whole" plant
+if [[ -n ${EDGEBUS_ARM_MIXED_PYTHON:-} ]]; then step "mixed x86/aarch64 plant" mixed_plant; fi
 log "PASSED"

@@ -3,6 +3,8 @@ SmolLM2 GGUF under `edgebus up`, held token for token to llama.cpp running the w
 this process, on the same (emulated) CPU.
 
 Needs only the base install (no torch): run it with the edgebus venv's python.
+`python tools/aarch64_plant.py whole PLANT` prints llama.cpp's whole-model answers to the
+same requests for that plant's model, as JSON (what tools/aarch64_mixed.py compares with).
 The reference is llama-cpp-python's plain path, `Llama.generate`, greedy; the prompts fit in
 the coordinator's first prompt chunk, so the plant's chunking cannot make them differ
 (tests/test_llamacpp.py holds the chunked whole-model path to the same `generate`).
@@ -22,6 +24,7 @@ from pathlib import Path
 from llama_cpp import Llama
 
 from edgebus import status_view
+from edgebus.errors import EdgebusError
 from edgebus.messages import ChatMessage, GenerateRequest
 from edgebus.model_import import bundled_gguf
 from edgebus.processes import LOOPBACK, free_port
@@ -31,15 +34,19 @@ from node_agent.engines.llamacpp import library
 from node_agent.gguf_tokenizer import GgufTokenizer
 from node_agent.model_config import generation_eos
 from node_agent.text import prompt_ids
-from plant_config import Plant, make_plant, write_plant
+from plant_config import Plant, load_plant, make_plant, write_plant
 
 STAGES = 3
 MAX_TOKENS = 16
-# One chat request through the file's chat template, one verbatim prompt.
+# Chat requests through the file's chat template, and verbatim prompts.
 REQUESTS = [
     GenerateRequest(id="chat", messages=[ChatMessage(role="user", content="What is a PLC?")],
                     max_tokens=MAX_TOKENS),
     GenerateRequest(id="raw", prompt="The three most common causes of motor failure are",
+                    max_tokens=MAX_TOKENS),
+    GenerateRequest(id="chat-2", messages=[ChatMessage(
+        role="user", content="Why does a hydraulic pump get hot?")], max_tokens=MAX_TOKENS),
+    GenerateRequest(id="raw-2", prompt="To calibrate a pressure sensor, first",
                     max_tokens=MAX_TOKENS),
 ]
 # Under qemu-user a core runs ~20x slower than the host's: the agents took ~80 s to come
@@ -69,9 +76,13 @@ def wait_online(plant: Plant, up: subprocess.Popen[bytes]) -> float:
     while time.monotonic() - start < READY_S:
         if up.poll() is not None:
             sys.exit(f"edgebus up exited with {up.returncode} before the plant was online")
-        data = status_view.report(plant, asyncio.run(status_view.collect(plant)))
-        if wanted <= {a["agent_id"] for a in data["agents"] if a["state"] == "online"}:
-            return time.monotonic() - start
+        try:
+            data = status_view.report(plant, asyncio.run(status_view.collect(plant)))
+        except EdgebusError as exc:  # the broker is not listening yet
+            print(exc, flush=True)
+        else:
+            if wanted <= {a["agent_id"] for a in data["agents"] if a["state"] == "online"}:
+                return time.monotonic() - start
         time.sleep(STATUS_POLL_S)
     sys.exit(f"the plant's agents were not all online within {READY_S:.0f} s")
 
@@ -113,8 +124,39 @@ def whole(plant: Plant, request: GenerateRequest) -> list[int]:
     return tokens
 
 
+def compare(answers: dict[str, list[int]], references: dict[str, list[int]], what: str) -> bool:
+    """Print the plant's answers beside `what`'s; whether every one is token-exact."""
+    exact = True
+    for request in REQUESTS:
+        ours, theirs = answers[request.id], references[request.id]
+        same = sum(a == b for a, b in zip(ours, theirs, strict=False))
+        exact &= ours == theirs
+        print(f"{request.id}: plant {ours}\n{request.id}: {what} {theirs}\n{request.id}: "
+              f"{'token-exact' if ours == theirs else 'DIFFERENT'}, {same} of {len(theirs)} "
+              "ids at the same place", flush=True)
+    return exact
+
+
+def ask_all(path: Path) -> dict[str, list[int]]:
+    answers = {}
+    for request in REQUESTS:
+        start = time.monotonic()
+        answers[request.id] = ask(path, request)
+        print(f"{request.id}: {len(answers[request.id])} tokens in "
+              f"{time.monotonic() - start:.0f} s", flush=True)
+    return answers
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("whole", nargs="?", choices=["whole"],
+                        help="print llama.cpp's whole-model answers for PLANT as JSON")
+    parser.add_argument("plant", nargs="?", type=Path, help="the plant file (with `whole`)")
+    args = parser.parse_args()
+    if args.whole:
+        plant = load_plant(args.plant)
+        print(json.dumps({r.id: whole(plant, r) for r in REQUESTS}))
+        return
     with tempfile.TemporaryDirectory(prefix="edgebus-aarch64-") as tmp:
         plant, path = plant_file(Path(tmp))
         with (Path(tmp) / "up.out").open("wb") as log:
@@ -122,26 +164,13 @@ def main() -> None:
                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             print(f"agents online after {wait_online(plant, up):.0f} s", flush=True)
-            answers = {}
-            for request in REQUESTS:
-                start = time.monotonic()
-                answers[request.id] = ask(path, request)
-                print(f"{request.id}: {len(answers[request.id])} tokens in "
-                      f"{time.monotonic() - start:.0f} s", flush=True)
+            answers = ask_all(path)
         finally:
             up.terminate()
             up.wait()
             print((Path(tmp) / "up.out").read_text(errors="replace")[-4000:], flush=True)
-        failed = False
-        for request in REQUESTS:
-            reference = whole(plant, request)
-            same = sum(a == b for a, b in zip(answers[request.id], reference, strict=False))
-            exact = answers[request.id] == reference
-            failed |= not exact
-            print(f"{request.id}: plant {answers[request.id]}\n{request.id}: whole {reference}\n"
-                  f"{request.id}: {'token-exact' if exact else 'DIFFERENT'}, "
-                  f"{same} of {len(reference)} ids", flush=True)
-        sys.exit(1 if failed else 0)
+        exact = compare(answers, {r.id: whole(plant, r) for r in REQUESTS}, "whole")
+        sys.exit(0 if exact else 1)
 
 
 if __name__ == "__main__":
