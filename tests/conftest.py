@@ -31,7 +31,7 @@ from brokers import (
 from gguf_models import tiny_gguf
 from tiny_models import build_tiny
 
-from edgebus.model_import import default_model_dir, ensure_demo_model
+from edgebus.model_import import bundled_gguf, default_model_dir, ensure_demo_model
 
 BROKER_KINDS = ["amqtt", "mosquitto"]
 # What EDGEBUS_HOME holds that is a cache, expensive to fill and safe to fill from
@@ -49,9 +49,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collectreport(report: pytest.CollectReport) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    # As the report is made, before pytest_collectreport: pytest's session counts a
+    # collection error there (and stops the run) before a conftest's hook could change it.
+    report: pytest.CollectReport = yield
+    optional.skip_torch_modules(report)
     optional.fail_skipped_modules(report)
+    return report  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -127,8 +132,20 @@ def broker(request: pytest.FixtureRequest) -> BrokerHandle:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """SmolLM2-135M-Instruct in HF layout, imported once per machine into the edgebus cache."""
+    """SmolLM2-135M-Instruct in HF layout, imported once per machine into the edgebus cache.
+
+    The import converts through transformers, and the tests given this directory hold
+    the plant to the torch reference: on a base install they skip (tests/optional.py)."""
+    optional.require_torch()
     return ensure_demo_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The bundled SmolLM2 GGUF file itself, as a llama.cpp plant's `model:` names it: what
+    the llama.cpp tests run on a box without torch (its bytes are the imported
+    directory's model.gguf, tests/test_no_torch.py)."""
+    return bundled_gguf()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ llama-cpp-python's sdist (downloaded once; nothing is compiled).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import gguf
@@ -33,14 +32,13 @@ def tiny_gguf(family: str, dest: Path, tokenizer_dir: Path) -> Path:
     return dest
 
 
-def requantize(model_dir: Path, dest: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """A model directory beside `model_dir`'s config whose GGUF holds every quantized matrix
-    of `model_dir`'s GGUF as `qtype`; other tensors (norms) as they are."""
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(model_dir / "config.json", dest / "config.json")
-    reader = gguf.GGUFReader(str(model_dir / MODEL_GGUF))
+def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """The GGUF file `dest`: the GGUF file `source` with every quantized matrix as `qtype`,
+    other tensors (norms) as they are, and the same metadata (vocabulary, config)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(source))
     arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
-    writer = gguf.GGUFWriter(str(dest / MODEL_GGUF), arch=arch)
+    writer = gguf.GGUFWriter(str(dest), arch=arch)
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue

@@ -9,6 +9,8 @@ CI machine, and a skip would hide a whole file's tests behind a green run.
 from __future__ import annotations
 
 import os
+import re
+from importlib.util import find_spec
 
 import pytest
 
@@ -23,6 +25,43 @@ def missing(what: str) -> None:
     pytest.skip(what, allow_module_level=True)
 
 
+# A base install (`pip install edgebus`, what a llama.cpp box has: docs/deploy.md) lacks
+# these; the README's `.[test]` install brings them (pyproject.toml, the `torch` extra).
+TORCH_PACKAGES = ("torch", "transformers")
+TORCH_MISSING = ("torch and transformers (the `torch` extra, which README.md's install brings): "
+                 "this test needs the torch reference, a torch or onnxruntime engine, or a "
+                 "model imported or built through transformers")
+
+
+def require_torch() -> None:
+    """Skip the test (or, at module level, the module) on a base install; fail in CI.
+
+    Called where a test or fixture first needs torch, before it imports it, so that
+    the suite's llama.cpp tests run on a box without torch."""
+    if any(find_spec(name) is None for name in TORCH_PACKAGES):
+        missing(TORCH_MISSING)
+
+
+# The packages of the `torch` extra (pyproject.toml) that test files import.
+TORCH_EXTRA_PACKAGES = frozenset({*TORCH_PACKAGES, "onnx", "onnxruntime", "onnxscript",
+                                  "safetensors", "accelerate"})
+# How pytest reports a test file whose import failed (its CollectError's text).
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w]+)")
+
+
+def skip_torch_modules(report: pytest.CollectReport) -> None:
+    """A test file that imports torch (or another package of the `torch` extra) at its
+    top is skipped on a base install, saying so, instead of failing to import
+    (conftest.py's `pytest_make_collect_report`; CI then fails it, `fail_skipped_modules`)."""
+    if not report.failed:
+        return
+    found = _NO_MODULE.search(str(report.longrepr))
+    if found and found.group(1) in TORCH_EXTRA_PACKAGES:
+        report.outcome = "skipped"
+        report.longrepr = (str(report.fspath), None,
+                           f"Skipped: no module {found.group(1)}: {TORCH_MISSING}")
+
+
 def needs(problems: list[str], what: str) -> pytest.MarkDecorator:
     """A mark that skips while `problems` (what this machine lacks) is not empty; in CI,
     a failure of the module's collection instead."""
@@ -35,7 +74,7 @@ def needs(problems: list[str], what: str) -> pytest.MarkDecorator:
 
 def fail_skipped_modules(report: pytest.CollectReport) -> None:
     """In CI, a test file skipped whole when it is collected (`pytest.importorskip` at
-    module level) fails the run instead (conftest.py's `pytest_collectreport`)."""
+    module level) fails the run instead (conftest.py's `pytest_make_collect_report`)."""
     if IN_CI and report.skipped:
         report.outcome = "failed"
         report.longrepr = f"CI must run every test file, and this one was skipped: " \

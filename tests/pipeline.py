@@ -16,26 +16,31 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+import optional
 from brokers import BrokerHandle
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedTokenizerBase,
-)
 
 from edgebus.ask import ask
 from edgebus.messages import GenerateRequest, GenerateResponse
 from node_agent.coordinator import Coordinator, prefill_chunks
 from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.gguf_model import is_gguf
+from node_agent.gguf_tokenizer import GgufTokenizer
 from node_agent.memory import return_freed_memory
+from node_agent.model_config import generation_eos, load_config
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
 from plant_config.schema import EngineName, WeightMode, resolve_engine
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+# torch and transformers are imported where a helper needs them, after
+# optional.require_torch(): on a base install (a llama.cpp box) the tests that need only
+# llama.cpp run, and those that need torch skip, saying why.
 
 READY_TIMEOUT_S = 30.0
 
@@ -76,12 +81,16 @@ def release_models() -> None:
         engine.close()
     _STAGES.clear()
     _reference_model.cache_clear()
+    _gguf_tokenizer.cache_clear()
     gc.collect()
     return_freed_memory()
 
 
 @functools.cache
 def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    optional.require_torch()
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -120,13 +129,25 @@ async def ask_all(plant: Plant, requests: Sequence[GenerateRequest]) -> list[Gen
 
 
 @functools.cache
+def _gguf_tokenizer(path: Path) -> GgufTokenizer:
+    return GgufTokenizer(path)
+
+
+@functools.cache
 def _reference_model(model_dir: Path) -> torch.nn.Module:
+    optional.require_torch()
+    import torch
+    from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
 def prompt_ids(model_dir: Path, request: GenerateRequest) -> list[int]:
-    """Tokenize like a test author would, straight from transformers."""
-    tok = tokenizer(model_dir)
+    """Tokenize like a test author would, straight from transformers; a GGUF file (which
+    transformers reads only by converting it) with llama.cpp's reading of its vocabulary,
+    which tests/test_gguf_model.py holds to transformers'."""
+    tok: PreTrainedTokenizerBase | GgufTokenizer = (
+        _gguf_tokenizer(model_dir) if is_gguf(model_dir) else tokenizer(model_dir))
     if request.messages is not None:
         chat = [m.model_dump() for m in request.messages]
         return list(tok.apply_chat_template(chat, add_generation_prompt=True,
@@ -137,6 +158,8 @@ def prompt_ids(model_dir: Path, request: GenerateRequest) -> list[int]:
 @functools.cache
 def _generate(model_dir: Path, ids: tuple[int, ...], max_new_tokens: int,
               ignore_eos: bool) -> tuple[int, ...]:
+    import torch
+
     model = _reference_model(model_dir)
     kwargs = {"eos_token_id": None} if ignore_eos else {}
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,  # type: ignore[operator]
@@ -148,22 +171,21 @@ def _generate(model_dir: Path, ids: tuple[int, ...], max_new_tokens: int,
 @functools.cache
 def _engine_tokens(model_dir: Path, ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool,
                    engine: EngineName, weights: WeightMode, chunk: int) -> tuple[int, ...]:
-    model = stage_model(model_dir, 0, AutoConfig.from_pretrained(model_dir).num_hidden_layers,
-                        weights, engine)
-    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    model = stage_model(model_dir, 0, load_config(model_dir).num_hidden_layers, weights, engine)
+    eos = generation_eos(model_dir)
     stop = set() if ignore_eos else set(eos) if isinstance(eos, list) else {eos}
     cache, start = model.new_cache(0), 0
     try:
         for size in prefill_chunks(len(ids), chunk):  # the coordinator's chunks
-            logits = model.step([torch.tensor([ids[start:start + size]])], [cache], [start])[0]
+            logits = model.run([np.array([ids[start:start + size]])], [cache], [start])[0]
             start += size
         out: list[int] = []
         while True:
             assert logits is not None
-            out.append(int(logits.argmax()))
+            out.append(int(np.argmax(logits)))
             if len(out) == max_new_tokens or out[-1] in stop:
                 return tuple(out)
-            logits = model.step([torch.tensor([[out[-1]]])], [cache],
+            logits = model.run([np.array([[out[-1]]])], [cache],
                                 [len(ids) + len(out) - 1])[0]
     finally:
         model.free_cache(cache)

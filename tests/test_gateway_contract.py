@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiomqtt
-import torch
+import numpy as np
 from brokers import BrokerHandle
 from paho.mqtt.properties import Properties
 from pipeline import plant_for, reference_tokens, running
@@ -150,10 +150,10 @@ async def test_garbage_frames_are_dropped_and_requests_stay_exact(
         tiny_llama: Path, amqtt_broker: BrokerHandle) -> None:
     plant = plant_for(tiny_llama, amqtt_broker, [(0, 2), (2, 4), (4, 6)])
     root = plant.topic_root
-    hidden = frames.encode(Kind.HIDDEN, torch.zeros(1, 1, 64), Header(123, 0, 5),
-                           start=9)
+    hidden = frames.encode(Kind.HIDDEN, np.zeros((1, 1, 64), dtype=np.float32),
+                           Header(123, 0, 5), start=9)
     garbage = [os.urandom(100), b"", hidden[:-4], hidden,  # unknown request
-               frames.encode(Kind.TOKENS, torch.tensor([[1, 2]]), Header(9, 0, 0),
+               frames.encode(Kind.TOKENS, np.array([[1, 2]]), Header(9, 0, 0),
                              start=0)]  # tokens into a middle stage
     request = {"id": "r", "prompt": "Hydraulic oil temperature", "max_tokens": 10,
                "ignore_eos": True}

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
-import torch
 from brokers import BrokerHandle
 from gguf_models import requantize, tiny_gguf
 from llama_cpp import Llama
@@ -45,7 +45,7 @@ from node_agent.engines import (
 )
 from node_agent.engines.base import CacheFull
 from node_agent.engines.llamacpp import library, rebuild_hint, stage_gguf
-from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, MODEL_GGUF
+from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
 from node_agent.model_config import kv_bytes_per_token
 from plant_config import Plant, make_plant
 
@@ -92,10 +92,10 @@ async def _ask_staggered(plant: Plant, reqs: list[GenerateRequest]) -> list[Gene
 @pytest.mark.slow
 @pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
 async def test_every_split_answers_what_llamacpp_answers_whole(
-        smollm2_dir: Path, amqtt_broker: BrokerHandle, split: list[tuple[int, int]]) -> None:
+        smollm2_gguf: Path, amqtt_broker: BrokerHandle, split: list[tuple[int, int]]) -> None:
     reqs = requests()
-    assert len(prompt_ids(smollm2_dir, reqs[1])) > 256  # three chunks: 64 + 128 + the rest
-    plant = plant_for(smollm2_dir, amqtt_broker, split, weights="gguf",
+    assert len(prompt_ids(smollm2_gguf, reqs[1])) > 256  # three chunks: 64 + 128 + the rest
+    plant = plant_for(smollm2_gguf, amqtt_broker, split, weights="gguf",
                       kv_budget_mb=KV_BUDGET_MB, **LIMITS)
     async with running(plant) as stages:
         responses = await _ask_staggered(plant, reqs)
@@ -103,7 +103,7 @@ async def test_every_split_answers_what_llamacpp_answers_whole(
             await _until(lambda s=stage: not s.caches)
     for request, response in zip(reqs, responses, strict=True):
         assert response.error is None, response.error
-        assert response.tokens == reference(smollm2_dir, request), request.id
+        assert response.tokens == reference(smollm2_gguf, request), request.id
     last = stages[-1]
     assert last.metrics["rows"] > last.metrics["steps"]  # decode rows of requests batched
     assert sum(s.metrics["mixed_steps"] for s in stages) > 0  # a prompt chunk met a batch
@@ -113,32 +113,32 @@ async def test_every_split_answers_what_llamacpp_answers_whole(
 
 
 @pytest.mark.slow
-async def test_three_stages_over_mosquitto(smollm2_dir: Path,
+async def test_three_stages_over_mosquitto(smollm2_gguf: Path,
                                            mosquitto_broker: BrokerHandle) -> None:
     reqs = requests()[:4]
-    plant = plant_for(smollm2_dir, mosquitto_broker, SPLITS["3-stages"], weights="gguf",
+    plant = plant_for(smollm2_gguf, mosquitto_broker, SPLITS["3-stages"], weights="gguf",
                       kv_budget_mb=KV_BUDGET_MB, **LIMITS)
     async with running(plant):
         responses = await ask_all(plant, reqs)
     for request, response in zip(reqs, responses, strict=True):
-        assert response.tokens == reference(smollm2_dir, request), request.id
+        assert response.tokens == reference(smollm2_gguf, request), request.id
 
 
 @pytest.mark.slow
-def test_the_whole_model_path_is_llama_cpp_pythons_own(smollm2_dir: Path) -> None:
+def test_the_whole_model_path_is_llama_cpp_pythons_own(smollm2_gguf: Path) -> None:
     """The reference above is llama.cpp's plain path: `Llama.generate`, greedy, agrees."""
     request = GenerateRequest(id="r", prompt="The three most common causes of motor failure are",
                               max_tokens=MAX_TOKENS, ignore_eos=True)
-    ids = prompt_ids(smollm2_dir, request)
+    ids = prompt_ids(smollm2_gguf, request)
     library.llama()  # keeps Llama() off AMX where this CPU faults in it, as the engine is
-    llm = Llama(str(smollm2_dir / MODEL_GGUF), n_ctx=512, n_batch=128, n_threads=2,
+    llm = Llama(str(smollm2_gguf), n_ctx=512, n_batch=128, n_threads=2,
                 flash_attn=False, verbose=False)
     tokens = []
     for token in llm.generate(ids, top_k=1, temp=0.0):
         tokens.append(token)
         if len(tokens) == MAX_TOKENS:
             break
-    assert tokens == reference(smollm2_dir, request)
+    assert tokens == reference(smollm2_gguf, request)
 
 
 def test_llama_cpp_keeps_off_its_amx_kernels_where_this_cpu_faults_in_them() -> None:
@@ -231,8 +231,8 @@ def test_a_llama_cpp_in_llama_cpp_lib_path_is_the_one_the_capture_calls(
     assert mapped and all(path.parent == own.resolve() for path in mapped), mapped
 
 
-def test_a_stage_file_holds_its_layers_only(smollm2_dir: Path) -> None:
-    source = smollm2_dir / MODEL_GGUF
+def test_a_stage_file_holds_its_layers_only(smollm2_gguf: Path) -> None:
+    source = smollm2_gguf
     version = library.library_version()
     middle = stage_gguf.stage_file(source, 10, 20, library_version=version)
     assert stage_gguf.stage_file(source, 10, 20, library_version=version) == middle  # cached
@@ -253,17 +253,17 @@ def test_a_stage_file_holds_its_layers_only(smollm2_dir: Path) -> None:
     assert stage_gguf.stage_file(source, 0, 30, library_version=version) == source
 
 
-def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_dir: Path) -> None:
+def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_gguf: Path) -> None:
     """Three stages chained give the whole model's logits bit for bit, for a prompt chunk
     and for decode rows of two requests batched in one call."""
-    whole = load_engine(smollm2_dir, 0, 30, weights="gguf", threads=2, shape=SMALL)
-    chain = [load_engine(smollm2_dir, a, b, weights="gguf", threads=2, shape=SMALL)
+    whole = load_engine(smollm2_gguf, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    chain = [load_engine(smollm2_gguf, a, b, weights="gguf", threads=2, shape=SMALL)
              for a, b in SPLITS["3-stages"]]
-    prompts = [torch.tensor([[1, 9690, 198, 2683, 359, 253]]), torch.tensor([[1, 504, 3295]])]
+    prompts = [np.array([[1, 9690, 198, 2683, 359, 253]]), np.array([[1, 504, 3295]])]
 
-    def run(stages: list, xs: list[torch.Tensor], caches: list, starts: list[int]) -> list:
+    def run(stages: list, xs: list[np.ndarray], caches: list, starts: list[int]) -> list:
         for stage, stage_caches in zip(stages, caches, strict=True):
-            xs = stage.step(xs, stage_caches, starts)
+            xs = stage.run(xs, stage_caches, starts)
         return xs
 
     caches = [[s.new_cache(0) for _ in prompts] for s in chain]
@@ -272,12 +272,12 @@ def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_dir: Path) -> Non
         for i, prompt in enumerate(prompts):
             split = run(chain, [prompt], [[c[i]] for c in caches], [0])[0]
             one = run([whole], [prompt], [[whole_caches[0][i]]], [0])[0]
-            assert torch.equal(split, one)
-        rows = [torch.tensor([[7]]), torch.tensor([[8]])]
+            assert np.array_equal(split, one)
+        rows = [np.array([[7]]), np.array([[8]])]
         starts = [p.shape[1] for p in prompts]
         split = run(chain, rows, caches, starts)
         one = run([whole], rows, whole_caches, starts)
-        assert all(torch.equal(a, b) for a, b in zip(split, one, strict=True))
+        assert all(np.array_equal(a, b) for a, b in zip(split, one, strict=True))
     finally:
         for stage in [*chain, whole]:
             stage.close()
@@ -285,53 +285,54 @@ def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_dir: Path) -> Non
 
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "F16", "BF16"])
-def test_every_block_type_splits_exactly(smollm2_dir: Path, tmp_path: Path, qtype: str) -> None:
+def test_every_block_type_splits_exactly(smollm2_gguf: Path, tmp_path: Path, qtype: str) -> None:
     """Stage files are cut from GGUFs of each block type: the chain's logits, for a prompt and
     8 greedy steps, are the whole model's bit for bit. (Q4_1 is the bundled file itself.)"""
-    model_dir = requantize(smollm2_dir, tmp_path / qtype, gguf.GGMLQuantizationType[qtype])
-    whole = load_engine(model_dir, 0, 30, weights="gguf", threads=2, shape=SMALL)
-    chain = [load_engine(model_dir, a, b, weights="gguf", threads=2, shape=SMALL)
+    model = requantize(smollm2_gguf, tmp_path / f"{qtype}.gguf",
+                       gguf.GGMLQuantizationType[qtype])
+    whole = load_engine(model, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    chain = [load_engine(model, a, b, weights="gguf", threads=2, shape=SMALL)
              for a, b in SPLITS["3-stages"]]
     caches = [[stage.new_cache(0)] for stage in [whole, *chain]]
-    x, start = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646]]), 0
+    x, start = np.array([[1, 9690, 198, 2683, 359, 253, 5356, 5646]]), 0
     for _ in range(8):
-        one = whole.step([x], caches[0], [start])[0]
+        one = whole.run([x], caches[0], [start])[0]
         split = x
         for stage, stage_caches in zip(chain, caches[1:], strict=True):
-            split = stage.step([split], stage_caches, [start])[0]
+            split = stage.run([split], stage_caches, [start])[0]
         assert one is not None and split is not None
-        assert torch.equal(one, split), f"{qtype} at position {start}"
+        assert np.array_equal(one, split), f"{qtype} at position {start}"
         start += x.shape[1]
-        x = one.argmax(-1, keepdim=True)
+        x = one.argmax(-1, keepdims=True)
     for engine in [whole, *chain]:
         engine.close()
 
 
 def test_decode_rows_with_gapped_sequence_ids_run_as_one_pass_and_exactly(
-        smollm2_dir: Path) -> None:
+        smollm2_gguf: Path) -> None:
     """Rows whose sequence ids have gaps get consecutive ids before their call (llama.cpp
     would run one micro-batch per run of ids), and their logits stay each sequence's own,
     bit for bit: the same steps in an engine where every sequence runs alone."""
-    batched = load_engine(smollm2_dir, 0, 30, weights="gguf", threads=2, shape=SMALL)
-    alone = load_engine(smollm2_dir, 0, 30, weights="gguf", threads=2, shape=SMALL)
-    prompts = [torch.tensor([[1, 9690, 198, 2683 + i]]) for i in range(5)]
+    batched = load_engine(smollm2_gguf, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    alone = load_engine(smollm2_gguf, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    prompts = [np.array([[1, 9690, 198, 2683 + i]]) for i in range(5)]
     held = [batched.new_cache(0) for _ in prompts]
     for prompt, cache in zip(prompts, held, strict=True):
-        batched.step([prompt], [cache], [0])
+        batched.run([prompt], [cache], [0])
     for cache in held[1::2]:  # ids 1 and 3 come back: the rest are 0, 2, 4
         batched.free_cache(cache)
     rows = held[::2]
     solo = [alone.new_cache(0) for _ in rows]
     try:
         for cache, prompt in zip(solo, prompts[::2], strict=True):
-            alone.step([prompt], [cache], [0])
-        xs = [torch.tensor([[7 + i]]) for i in range(len(rows))]
+            alone.run([prompt], [cache], [0])
+        xs = [np.array([[7 + i]]) for i in range(len(rows))]
         for start in (4, 5):
-            together = batched.step(xs, rows, [start] * len(rows))
-            apart = [alone.step([x], [cache], [start])[0] for x, cache in zip(xs, solo,
+            together = batched.run(xs, rows, [start] * len(rows))
+            apart = [alone.run([x], [cache], [start])[0] for x, cache in zip(xs, solo,
                                                                              strict=True)]
-            assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
-            xs = [out.argmax(-1, keepdim=True) for out in apart]
+            assert all(np.array_equal(a, b) for a, b in zip(together, apart, strict=True))
+            xs = [out.argmax(-1, keepdims=True) for out in apart]
         assert sorted(c.seq_id for c in rows) == [0, 1, 2]
         assert batched.moves == 1  # type: ignore[attr-defined]  # id 4 to the free 1
     finally:
@@ -341,27 +342,27 @@ def test_decode_rows_with_gapped_sequence_ids_run_as_one_pass_and_exactly(
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "F16"])
 def test_decode_rows_in_a_batch_compute_what_each_computes_alone(
-        smollm2_dir: Path, tmp_path: Path, qtype: str) -> None:
+        smollm2_gguf: Path, tmp_path: Path, qtype: str) -> None:
     """Whatever the block type: on this EPYC, F16 rows in one call are not bitwise the rows
     alone (llamafile's sgemm takes products of 2 rows and more), Q4_1 rows are. The engine
     finds out at load, and runs F16 decode rows one call each, so that a request's logits
     never depend on who shares its step."""
-    model = smollm2_dir if qtype == "Q4_1" else requantize(
-        smollm2_dir, tmp_path / qtype, gguf.GGMLQuantizationType[qtype])
+    model = smollm2_gguf if qtype == "Q4_1" else requantize(
+        smollm2_gguf, tmp_path / f"{qtype}.gguf", gguf.GGMLQuantizationType[qtype])
     batched = load_engine(model, 0, 30, weights="gguf", threads=2, shape=SMALL)
     alone = load_engine(model, 0, 30, weights="gguf", threads=2, shape=SMALL)
     assert batched.batch_invariant == (qtype == "Q4_1")  # type: ignore[attr-defined]
-    prompts = [torch.tensor([[1, 9690, 198, 2683 + i]]) for i in range(4)]
+    prompts = [np.array([[1, 9690, 198, 2683 + i]]) for i in range(4)]
     rows = [batched.new_cache(0) for _ in prompts]
     try:
         xs = []
         for prompt, cache in zip(prompts, rows, strict=True):
-            xs.append(batched.step([prompt], [cache], [0])[0].argmax(-1, keepdim=True))
-        together = batched.step(xs, rows, [4] * len(rows))
+            xs.append(batched.run([prompt], [cache], [0])[0].argmax(-1, keepdims=True))
+        together = batched.run(xs, rows, [4] * len(rows))
         for prompt, x, out in zip(prompts, xs, together, strict=True):
             solo = alone.new_cache(0)
-            alone.step([prompt], [solo], [0])
-            assert torch.equal(alone.step([x], [solo], [4])[0], out)
+            alone.run([prompt], [solo], [0])
+            assert np.array_equal(alone.run([x], [solo], [4])[0], out)
             alone.free_cache(solo)
     finally:
         batched.close()
@@ -402,11 +403,11 @@ async def test_other_architectures_split_exactly(family: tuple[str, Path],
         assert response.tokens == reference(family_dir, request), request.id
 
 
-def test_the_kv_budget_bounds_the_requests_a_stage_holds(smollm2_dir: Path) -> None:
+def test_the_kv_budget_bounds_the_requests_a_stage_holds(smollm2_gguf: Path) -> None:
     # 10 layers x 3 kv heads x 64 x 2 (K, V) x 2 bytes = 7.5 KiB a position; 1024 positions
     # a request: two requests' shares fit in 16 MiB, a third does not.
     shape = ContextShape(kv_budget_bytes=16 * 2**20, positions=1000, batch_positions=128)
-    engine = load_engine(smollm2_dir, 10, 20, weights="gguf", threads=1, shape=shape)
+    engine = load_engine(smollm2_gguf, 10, 20, weights="gguf", threads=1, shape=shape)
     assert engine.max_sequences == 2  # type: ignore[attr-defined]
     held = [engine.new_cache(0), engine.new_cache(0)]
     with pytest.raises(CacheFull, match="all 2 sequences"):
@@ -415,16 +416,16 @@ def test_the_kv_budget_bounds_the_requests_a_stage_holds(smollm2_dir: Path) -> N
     engine.free_cache(engine.new_cache(0))  # a freed sequence is handed out again
     engine.close()
     with pytest.raises(EngineError, match="raise kv_budget_mb"):
-        load_engine(smollm2_dir, 10, 20, weights="gguf", threads=1,
+        load_engine(smollm2_gguf, 10, 20, weights="gguf", threads=1,
                     shape=ContextShape(2**20, 1000, 128))
 
 
 def test_init_gives_a_deep_llama_cpp_stage_room_for_a_batch_of_the_longest_requests(
-        smollm2_dir: Path) -> None:
+        smollm2_gguf: Path) -> None:
     """The default 512 MiB holds no 5120-position request on 15 layers of the 1.3B seed
     model (2048 wide, 16 kv heads: 600 MiB each): `edgebus init` raises it, and only there."""
     seed = SimpleNamespace(num_attention_heads=16, num_key_value_heads=16, hidden_size=2048)
-    plant = make_plant(smollm2_dir, stages=3, weights="gguf")
+    plant = make_plant(smollm2_gguf, stages=3, weights="gguf")
     plant = plant.model_copy(update={"stages": [
         spec.model_copy(update={"layers": layers})
         for spec, layers in zip(plant.stages, [(0, 4), (4, 9), (9, 24)], strict=True)]})
@@ -439,14 +440,14 @@ def test_init_gives_a_deep_llama_cpp_stage_room_for_a_batch_of_the_longest_reque
 
 
 async def test_requests_past_the_sequences_wait_or_are_told_busy(
-        smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+        smollm2_gguf: Path, amqtt_broker: BrokerHandle) -> None:
     """The coordinator books a llama.cpp stage by its sequences: a request past them waits
     for one to free (or is answered `busy` if none was free when it came), and is never
     sent to a stage that would have to refuse it."""
     # 30 layers x 3 kv heads x 64 x 2 (K, V) x 2 bytes a position, 256 positions a request:
     # room for two requests' shares.
     share = 256 * 30 * 3 * 64 * 2 * 2
-    plant = plant_for(smollm2_dir, amqtt_broker, [(0, 30)], weights="gguf",
+    plant = plant_for(smollm2_gguf, amqtt_broker, [(0, 30)], weights="gguf",
                       kv_budget_mb=-(-2 * share // 2**20), max_prompt_tokens=200,
                       max_tokens_limit=56)
     reqs = [GenerateRequest(id=f"r{i}", prompt=f"Fault {i} of the press is", max_tokens=40,
@@ -459,17 +460,17 @@ async def test_requests_past_the_sequences_wait_or_are_told_busy(
     assert len(served) >= 2
     for response in served:
         request = next(r for r in reqs if r.id == response.id)
-        assert response.tokens == reference(smollm2_dir, request)
+        assert response.tokens == reference(smollm2_gguf, request)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_a_stage_of_several_threads_computes_on_one_thread_only(
-        smollm2_dir: Path, amqtt_broker: BrokerHandle, threads: int) -> None:
+        smollm2_gguf: Path, amqtt_broker: BrokerHandle, threads: int) -> None:
     """OpenMP keeps a thread team per calling thread, and two teams made libgomp sleep at
     every barrier (node_agent/stage.py): a stage of several threads must call its engine
     from one thread, whatever it computes. One thread has no team: its decode rows run on
     the event loop, which saves a thread hand-off a hop."""
-    plant = plant_for(smollm2_dir, amqtt_broker, [(0, 30)], weights="gguf",
+    plant = plant_for(smollm2_gguf, amqtt_broker, [(0, 30)], weights="gguf",
                       kv_budget_mb=KV_BUDGET_MB, **LIMITS)
     plant = plant.model_copy(update={"stages": [
         spec.model_copy(update={"threads": threads}) for spec in plant.stages]})

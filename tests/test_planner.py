@@ -23,7 +23,6 @@ from edgebus.errors import PlantConfigError
 from node_agent.costs import model_costs
 from node_agent.engines import load_engine
 from node_agent.gguf_profile import llamacpp_shape
-from node_agent.profile import PROFILE_FILE
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
 from plant_config.layout import LayerRange, fit_problems, layout_problems
@@ -314,6 +313,9 @@ def test_weight_bytes_are_what_a_loaded_stage_holds(
 
 
 def test_profile_is_cached_next_to_the_model(tmp_path: Path, smollm2_dir: Path) -> None:
+    # Imported here: the torch profiler's module imports torch (a base install has none).
+    from node_agent.profile import PROFILE_FILE
+
     model_dir = build_tiny("llama", tmp_path, smollm2_dir)
     costs, measured, fresh = model_costs(model_dir)
     assert fresh and (model_dir / PROFILE_FILE).is_file()

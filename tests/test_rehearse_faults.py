@@ -31,7 +31,7 @@ import optional
 import pytest
 import torch
 from pipeline import reference_tokens
-from tiny_models import CONFIGS, TOKENIZER_FILES
+from tiny_models import TOKENIZER_FILES, configs
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from edgebus.messages import GenerateRequest
@@ -108,7 +108,7 @@ def fault_plant(model: Path) -> Plant:
 def model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama with wide attention heads (KV_HEADS x HEAD_DIM)."""
     dest = tmp_path_factory.mktemp("wide-kv-llama")
-    config = LlamaConfig(**{**CONFIGS["llama"].to_dict(), "num_key_value_heads": KV_HEADS,
+    config = LlamaConfig(**{**configs()["llama"].to_dict(), "num_key_value_heads": KV_HEADS,
                             "num_attention_heads": KV_HEADS, "head_dim": HEAD_DIM})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(dest)  # type: ignore[no-untyped-call]

@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# The aarch64 check (docs/deploy.md, "Checking aarch64 on an x86 machine"): an arm64
+# Debian root filesystem under qemu-user, the pinned llama.cpp cross-built for the Pi 5
+# and the Jetson Orin's CPU, edgebus installed in it without torch as docs/deploy.md
+# tells a Pi, the suite's torch-free tests, then a 3-stage plant of the bundled GGUF
+# under `edgebus up`, held token for token to llama.cpp run whole on the same CPU.
+#
+# Run as root on an x86_64 Debian/Ubuntu host:  sudo tools/aarch64_check.sh
+# Host tools: qemu-user-static binfmt-support debootstrap gcc-aarch64-linux-gnu
+#             g++-aarch64-linux-gnu cmake patchelf
+# Environment (all optional):
+#   EDGEBUS_ARM_CACHE  what a second run reuses: the root filesystem's tarball, the
+#                      llama.cpp sdist and libraries, pip's cache (default
+#                      /var/cache/edgebus-aarch64)
+#   EDGEBUS_ARM_TESTS  the test files to run (default: TESTS below); "all" runs every
+#                      test file, which takes hours under emulation
+#   EDGEBUS_ARM_CPU    the emulated core (default cortex-a76)
+#   EDGEBUS_ARM_MIXED_PYTHON  an x86 python with edgebus installed: then a mixed plant
+#                      too, x86 coordinator and stage-0 with aarch64 stages
+#                      (tools/aarch64_mixed.py)
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+CACHE=${EDGEBUS_ARM_CACHE:-/var/cache/edgebus-aarch64}
+SUITE=bookworm
+# The Pi 5's Cortex-A76 and the Jetson Orin's Cortex-A78AE are both ARMv8.2-A with dot
+# product and half-precision arithmetic, and neither has i8mm or SVE: llama.cpp compiles
+# the same kernels for both, so one build serves the two boards.
+ARM_ARCH=armv8.2-a+dotprod+fp16
+# qemu has no Cortex-A78AE model (7.2 has cortex-a76 and neoverse-n1, the same ISA); the
+# A76 is the Pi 5's core exactly and stands for the Orin's features too.
+CPU=${EDGEBUS_ARM_CPU:-cortex-a76}
+# What the stage boxes run without torch, and fast enough under emulation (~1/20 of the
+# host's speed): the protocol, the llama.cpp engine and tokenizer, config and planner.
+TESTS=${EDGEBUS_ARM_TESTS:-"tests/test_frames.py tests/test_llamacpp.py tests/test_planner.py tests/test_plant_config.py -m 'not slow'"}
+# Packages the root filesystem needs: Python with venv and headers (edgebus compiles two
+# small C files), a compiler for them and for llama-cpp-python's stub build, and the broker.
+ROOTFS_PACKAGES=python3,python3-venv,python3-dev,gcc,g++,make,cmake,ca-certificates,mosquitto
+
+WORK=$CACHE/run
+ROOTFS=$WORK/rootfs
+TIMES=$WORK/times
+PIN=$(sed -n 's/^PINNED = "\(.*\)"$/\1/p' "$REPO/node_agent/engines/llamacpp/library.py")
+LIBS=$CACHE/llama.cpp-$PIN-$ARM_ARCH
+SDIST=$CACHE/sdist/llama_cpp_python-$PIN.tar.gz
+ROOTFS_TAR=$CACHE/rootfs-$SUITE-arm64.tar
+MOUNTS=()
+
+log() { printf '== %s\n' "$*" >&2; }
+die() { log "FAILED: $*"; exit 1; }
+
+step() {  # step NAME FUNCTION: run it and record how long it took
+    local name=$1 t0=$SECONDS
+    log "$name ..."
+    "$2"
+    printf '%-28s %5d s\n' "$name" $((SECONDS - t0)) | tee -a "$TIMES" >&2
+}
+
+cleanup() {
+    local i
+    for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do
+        umount -R "${MOUNTS[i]}" 2>/dev/null || umount -R -l "${MOUNTS[i]}" || true
+    done
+    MOUNTS=()
+    [[ -f $TIMES ]] && { log "times:"; cat "$TIMES" >&2; }
+}
+trap cleanup EXIT
+
+mounted_below() { findmnt -rn -o TARGET | grep -q "^$1\(/\|$\)"; }
+
+host_tools() {
+    [[ $(id -u) == 0 ]] || die "run as root (debootstrap, chroot, mounts)"
+    local tool
+    for tool in qemu-aarch64-static debootstrap aarch64-linux-gnu-gcc aarch64-linux-gnu-g++ \
+                cmake patchelf; do
+        command -v "$tool" >/dev/null || die "$tool is missing: apt-get install qemu-user-static \
+binfmt-support debootstrap gcc-aarch64-linux-gnu g++-aarch64-linux-gnu cmake patchelf"
+    done
+    [[ -n $PIN ]] || die "no PINNED version in node_agent/engines/llamacpp/library.py"
+    # A container may come without binfmt_misc: the kernel then cannot hand arm64
+    # executables to qemu.
+    [[ -e /proc/sys/fs/binfmt_misc/status ]] \
+        || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+    [[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]] || update-binfmts --enable qemu-aarch64
+    # `-cpu help` exits 1 after its list.
+    [[ $(qemu-aarch64-static -cpu help || true) =~ [[:space:]]$CPU([[:space:]]|$) ]] \
+        || die "qemu has no CPU model $CPU"
+}
+
+mirror() {  # the Debian mirror this host's apt already uses
+    local uri
+    uri=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
+          | awk '$1 == "deb" && $0 !~ /security/ {for (i = 2; i <= NF; i++) if ($i ~ /^https?:/) {print $i; exit}}')
+    [[ -n $uri ]] || uri=$(cat /etc/apt/sources.list.d/*.sources 2>/dev/null \
+          | awk '$1 == "URIs:" && $2 !~ /security/ {print $2; exit}')
+    echo "${uri:-http://deb.debian.org/debian}"
+}
+
+rootfs() {
+    if [[ ! -f $ROOTFS_TAR ]]; then
+        local boot=$WORK/debootstrap
+        mounted_below "$boot" && die "$boot still has mounts"
+        rm -rf "$boot"
+        debootstrap --arch=arm64 --include="$ROOTFS_PACKAGES" "$SUITE" "$boot" "$(mirror)" \
+            >"$WORK/debootstrap.log" 2>&1 || die "debootstrap: see $WORK/debootstrap.log"
+        tar -C "$boot" -cf "$ROOTFS_TAR.part" . && mv "$ROOTFS_TAR.part" "$ROOTFS_TAR"
+        rm -rf "$boot"
+    fi
+    # Every run starts from the tarball: nothing a previous run installed is reused but
+    # what the cache holds on purpose.
+    mounted_below "$ROOTFS" && die "$ROOTFS still has mounts"
+    rm -rf "$ROOTFS"
+    mkdir -p "$ROOTFS"
+    tar -C "$ROOTFS" -xf "$ROOTFS_TAR"
+}
+
+cross_build() {
+    if [[ ! -f $SDIST ]]; then
+        python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$PIN" \
+            -d "$CACHE/sdist"
+    fi
+    [[ -f $LIBS/libllama.so ]] && return
+    local src=$WORK/llama-src build=$WORK/llama-build
+    rm -rf "$src" "$build" "$LIBS.part"
+    mkdir -p "$src" "$LIBS.part"
+    tar -C "$src" --strip-components=1 -xzf "$SDIST"
+    cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_SYSTEM_NAME=Linux -DCMAKE_SYSTEM_PROCESSOR=aarch64 \
+        -DCMAKE_C_COMPILER=aarch64-linux-gnu-gcc -DCMAKE_CXX_COMPILER=aarch64-linux-gnu-g++ \
+        -DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH="$ARM_ARCH" -DBUILD_SHARED_LIBS=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=OFF \
+        >"$WORK/cmake.log" 2>&1 || die "cmake: see $WORK/cmake.log"
+    cmake --build "$build" -j "$(nproc)" --target llama >>"$WORK/cmake.log" 2>&1 \
+        || die "the cross build: see $WORK/cmake.log"
+    # The libraries find each other beside themselves, wherever they are copied.
+    find "$build" -name '*.so' -exec cp -L {} "$LIBS.part/" \;
+    patchelf --set-rpath '$ORIGIN' "$LIBS.part"/*.so
+    rm -rf "$src" "$build"
+    mv "$LIBS.part" "$LIBS"
+}
+
+bind() {  # bind SOURCE TARGET-IN-ROOTFS
+    mkdir -p "$ROOTFS$2"
+    mount --rbind "$1" "$ROOTFS$2"
+    # Unmounting the copy must never unmount the host's own /dev or /sys.
+    mount --make-rslave "$ROOTFS$2"
+    MOUNTS+=("$ROOTFS$2")
+}
+
+enter() {
+    mkdir -p "$CACHE/pip" "$CACHE/wheels" "$ROOTFS/proc" "$ROOTFS/check/src"
+    mount -t proc proc "$ROOTFS/proc"
+    MOUNTS+=("$ROOTFS/proc")
+    bind /dev /dev
+    bind /sys /sys
+    bind "$CACHE" /check/cache
+    cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
+    # pip inside trusts what the host trusts (a proxy's own CA, say).
+    cp /etc/ssl/certs/ca-certificates.crt "$ROOTFS/etc/ssl/certs/host-ca.crt"
+    # The project as a clean clone would have it: tracked and new files, nothing ignored
+    # (no x86 build of the C helpers).
+    git -C "$REPO" ls-files -z -co --exclude-standard \
+        | tar -C "$REPO" --null --ignore-failed-read -T - -cf - | tar -C "$ROOTFS/check/src" -xf -
+}
+
+in_rootfs() {  # a command inside, on the emulated CPU
+    "$WORK/in-rootfs" "$@"
+}
+
+write_in_rootfs() {  # as a command of its own, which tools/aarch64_mixed.py runs too
+    cat >"$WORK/in-rootfs" <<END
+#!/bin/sh
+# Runs its arguments in $ROOTFS on an emulated $CPU (tools/aarch64_check.sh).
+# qemu reads QEMU_CPU when the kernel hands it the first aarch64 program; env -i keeps it.
+QEMU_CPU=$CPU exec chroot "$ROOTFS" /usr/bin/env -i QEMU_CPU=$CPU HOME=/root LANG=C.UTF-8 \\
+    PATH=/opt/edgebus/bin:/usr/sbin:/usr/bin:/sbin:/bin \\
+    PIP_CERT=/etc/ssl/certs/host-ca.crt SSL_CERT_FILE=/etc/ssl/certs/host-ca.crt \\
+    PIP_CACHE_DIR=/check/cache/pip PIP_DISABLE_PIP_VERSION_CHECK=1 "\$@"
+END
+    chmod +x "$WORK/in-rootfs"
+}
+
+install_edgebus() {
+    in_rootfs python3 -m venv /opt/edgebus
+    # llama-cpp-python's Python half: its build compiles no library here (that would take
+    # hours under emulation); the cross-built ones go into llama_cpp/lib, where the
+    # package and the engine look for them.
+    if ! ls "$CACHE/wheels"/llama_cpp_python-"$PIN"-*aarch64*.whl >/dev/null 2>&1; then
+        in_rootfs env CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" pip wheel -q --no-deps \
+            --no-binary llama-cpp-python -w /check/cache/wheels \
+            "/check/cache/sdist/$(basename "$SDIST")"
+    fi
+    in_rootfs sh -c "pip install -q /check/cache/wheels/llama_cpp_python-$PIN-*aarch64*.whl"
+    local lib
+    lib=$(in_rootfs python -c 'import os, llama_cpp; print(os.path.dirname(llama_cpp.__file__))')/lib
+    mkdir -p "$ROOTFS$lib"
+    cp "$LIBS"/*.so "$ROOTFS$lib/"
+    # As docs/deploy.md tells a Pi, "A box without torch": the base package, with the
+    # tools the suite needs on it (no torch either).
+    in_rootfs pip install -q "/check/src[test-base]"
+    if in_rootfs python -c 'import torch' 2>/dev/null; then die "torch came in"; fi
+}
+
+torch_free_tests() {
+    local tests=$TESTS
+    [[ $tests == all ]] && tests=tests
+    # -P: the installed package, not the source tree's (whose C helpers are not built).
+    in_rootfs sh -c "cd /check/src && python -P -m pytest -q -p no:cacheprovider $tests"
+}
+
+plant() {
+    in_rootfs python /check/src/tools/aarch64_plant.py
+}
+
+mixed_plant() {
+    "$EDGEBUS_ARM_MIXED_PYTHON" "$REPO/tools/aarch64_mixed.py" --rootfs "$ROOTFS" \
+        --in-rootfs "$WORK/in-rootfs"
+}
+
+mkdir -p "$WORK"
+: >"$TIMES"
+log "llama-cpp-python $PIN for $ARM_ARCH on $CPU; cache $CACHE"
+step "host tools" host_tools
+# The cross build runs on the host while debootstrap's second stage runs under qemu.
+step "llama.cpp cross build" cross_build &
+build=$!
+step "root filesystem" rootfs
+wait "$build" || die "the cross build"
+enter
+write_in_rootfs
+step "install without torch" install_edgebus
+step "torch-free tests" torch_free_tests
+step "3-stage plant vs whole" plant
+if [[ -n ${EDGEBUS_ARM_MIXED_PYTHON:-} ]]; then step "mixed x86/aarch64 plant" mixed_plant; fi
+log "PASSED"
