@@ -147,7 +147,7 @@ def tensor_plan(shape: Shape) -> list[tuple[str, int, bool]]:
             head_dim = shape.head_dim or shape.dim // shape.n_heads
             plan += [(f"{layer}.q_norm", head_dim, False), (f"{layer}.k_norm", head_dim, False)]
         plan += [(f"{layer}.norm0", shape.dim, False), (f"{layer}.norm1", shape.dim, False)]
-    return plan + [("final_norm", shape.dim, False), ("logits", shape.vocab * shape.dim, True)]
+    return [*plan, ("final_norm", shape.dim, False), ("logits", shape.vocab * shape.dim, True)]
 
 
 def model_bytes(shape: Shape) -> int:

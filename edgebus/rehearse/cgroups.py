@@ -54,6 +54,11 @@ class BoxGroup(ABC):
         """Memory the group's processes use now, as the limit counts it."""
 
     @abstractmethod
+    def peak_memory_bytes(self) -> int | None:
+        """The most memory the group has used, as the limit counts it (page cache its
+        processes read included); None where the kernel does not keep it."""
+
+    @abstractmethod
     def set_memory(self, limit_bytes: int) -> None:
         """Change the memory limit; past it, the kernel reclaims, then kills."""
 
@@ -119,6 +124,9 @@ class _V1Group(BoxGroup):
     def memory_bytes(self) -> int:
         return int((self.memory / "memory.usage_in_bytes").read_text())
 
+    def peak_memory_bytes(self) -> int | None:
+        return int((self.memory / "memory.max_usage_in_bytes").read_text())
+
     def set_memory(self, limit_bytes: int) -> None:
         memory = self.memory / "memory.limit_in_bytes"
         # Memory plus swap, where the kernel accounts swap: the same limit, so a
@@ -182,6 +190,10 @@ class _V2Group(BoxGroup):
 
     def memory_bytes(self) -> int:
         return int((self.path / "memory.current").read_text())
+
+    def peak_memory_bytes(self) -> int | None:
+        peak = self.path / "memory.peak"  # Linux 5.19 on
+        return int(peak.read_text()) if peak.exists() else None
 
     def set_memory(self, limit_bytes: int) -> None:
         (self.path / "memory.max").write_text(str(limit_bytes))
