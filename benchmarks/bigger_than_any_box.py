@@ -153,9 +153,24 @@ def stage_shares(plant: Plant) -> dict[str, dict[str, float]]:
     return result
 
 
-def _prediction(rehearsal: Rehearsal, costs: Any, requests: int, groups: int) -> Prediction:
-    return predict(rehearsal.plant, costs, rehearsal.shares, requests, groups,
-                   rehearsal.broker_box, rehearsal.coordinator_box)
+def predictions(plant: Plant, options: Options, concurrency: int) -> dict[str, Any]:
+    """The rehearsal's prediction for one request and for `concurrency`, from the planner's
+    profile of the model (`edgebus plan` measures it once; minutes for an 8B model)."""
+    from edgebus.rehearse.sizing import box_shares, broker_box, coordinator_box
+
+    costs, _, _ = model_costs(profiled_model(
+        plant.model, {resolve_engine(s.engine, s.weights) for s in plant.stages}))
+    shares = box_shares(plant, cpu_total=options.cpu_total, memory_scale=options.memory_scale)
+    broker = broker_box(plant, shares, options.broker_box)
+    coordinator = coordinator_box(shares, broker, options.coordinator_box)
+    groups = options.batch_groups or len(plant.pipeline)
+
+    def one(requests: int) -> Prediction:
+        return predict(plant, costs, shares, requests, groups, broker, coordinator)
+
+    single, many = one(1), one(concurrency)
+    return {"single_tok_s": single.tok_s, "concurrent_tok_s": many.tok_s,
+            "step_ms": single.step_ms, "hop_ms": single.hop_ms}
 
 
 def _measured(m: Measurement) -> dict[str, Any]:
@@ -191,9 +206,6 @@ async def _plant_phases(rehearsal: Rehearsal, tokens: int, concurrency: int,
 
 def run_plant(plant: Plant, options: Options, workdir: Path, tokens: int,
               concurrency: int) -> dict[str, Any]:
-    costs, _, _ = model_costs(profiled_model(
-        plant.model, {resolve_engine(s.engine, s.weights) for s in plant.stages}))
-    groups = options.batch_groups or len(plant.pipeline)
     cold(plant.model)
     started = time.monotonic()
     with Rehearsal(plant, workdir, options, progress=say) as rehearsal:
@@ -201,10 +213,6 @@ def run_plant(plant: Plant, options: Options, workdir: Path, tokens: int,
             result = asyncio.run(_plant_phases(rehearsal, tokens, concurrency, started))
         except EdgebusError as exc:
             return _failure(rehearsal, exc)
-        single_p = _prediction(rehearsal, costs, 1, groups)
-        many_p = _prediction(rehearsal, costs, concurrency, groups)
-    result["predicted"] = {"single_tok_s": single_p.tok_s, "concurrent_tok_s": many_p.tok_s,
-                           "step_ms": single_p.step_ms, "hop_ms": single_p.hop_ms}
     result["shares"] = stage_shares(plant)
     result["layers"] = {spec.node: list(spec.layers) for spec in plant.stages}
     return result
@@ -301,6 +309,16 @@ def _decode_tok_s(traces: Sequence[Trace]) -> float:
 # -- 3. distributed-llama ------------------------------------------------------------------
 
 
+def _wait_log(rehearsal: Rehearsal, name: str, line: str, timeout: float) -> None:
+    """Until `name`'s log says `line`. Not a probe connection: a distributed-llama worker
+    takes the first connection for its root's and exits when it closes."""
+    deadline = time.monotonic() + timeout
+    while line not in rehearsal.log_tail(name):
+        if name in rehearsal.dead() or time.monotonic() > deadline:
+            raise EdgebusError(f"{name} did not say {line!r}:\n{rehearsal.log_tail(name)}")
+        time.sleep(_POLL_S)
+
+
 def dllama_plant(plant: Plant, options: Options, nodes: int) -> tuple[Plant, Options]:
     """`nodes` even boxes with the plant's total CPU quota and memory: tensor parallelism
     gives every node the same slice, so uneven boxes would wait on the slowest."""
@@ -367,10 +385,11 @@ def run_dllama(plant: Plant, options: Options, workdir: Path, binary: Path, mode
             for share in rehearsal.shares[1:]:
                 address = rehearsal.address(share.box)
                 name = f"worker-{share.box}"
-                rehearsal.spawn(name, share.box, [str(binary), "worker", "--host", address,
+                rehearsal.spawn(name, share.box, ["stdbuf", "-oL", str(binary), "worker",
+                                                  "--host", address,
                                                   "--port", str(DLLAMA_PORT),
                                                   "--nthreads", str(PEER_THREADS)])
-                _wait_port(rehearsal, name, address, DLLAMA_PORT, 60.0)
+                _wait_log(rehearsal, name, "Listening on", 60.0)
                 workers.append(f"{address}:{DLLAMA_PORT}")
             root = rehearsal.shares[0].box
             # The prompt fills steps up to its last token; the rest are generated.
@@ -587,12 +606,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", default=["plant", "rpc", "dllama", "one_box"],
                         choices=["plant", "rpc", "dllama", "one_box"])
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
-    parser.add_argument("--from-json", action="store_true", help="only write the section")
+    parser.add_argument("--from-json", action="store_true",
+                        help="only write the section (with PLANT: add the predictions)")
+    parser.add_argument("--no-predict", action="store_true",
+                        help="leave the predictions (the model's profile) for --from-json")
     parser.add_argument("--write", type=Path, help="docs/benchmarks.md to put the section in")
     parser.add_argument("--keep", type=Path, help="keep logs in this directory")
     args = parser.parse_args(argv)
     if args.from_json:
         results = json.loads(args.out.read_text())
+        if args.plant is not None and "plant" in results and "predicted" not in results["plant"]:
+            results["plant"]["predicted"] = predictions(
+                load_plant(args.plant), Options(cpu_total=args.cpus), results["concurrency"])
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
     else:
         if args.plant is None:
             parser.error("give the plant file")
@@ -631,6 +657,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             results[name] = steps[name](workdir / name)
             args.out.write_text(json.dumps(results, indent=1) + "\n")  # partial results survive
     results["machine"]["load_after"] = os.getloadavg()[0]
+    if "plant" in results and not args.no_predict:
+        results["plant"]["predicted"] = predictions(plant, options, args.concurrency)
     return results
 
 
