@@ -80,6 +80,8 @@ PEER_THREADS = 1
 DLLAMA_BUFFER_TYPE = "q80"
 DLLAMA_TIMEOUT_S = 3600.0
 _POLL_S = 0.2
+# What one run measures, in this order.
+STEPS = ("plant", "dllama_share", "dllama", "rpc", "one_box")
 # The section's heading in docs/benchmarks.md.
 SECTION = "## Models bigger than any box"
 
@@ -319,14 +321,18 @@ def _wait_log(rehearsal: Rehearsal, name: str, line: str, timeout: float) -> Non
         time.sleep(_POLL_S)
 
 
-def dllama_plant(plant: Plant, options: Options, nodes: int) -> tuple[Plant, Options]:
+def dllama_plant(plant: Plant, options: Options, nodes: int,
+                 root_memory_mb: int | None = None) -> tuple[Plant, Options]:
     """`nodes` even boxes with the plant's total CPU quota and memory: tensor parallelism
-    gives every node the same slice, so uneven boxes would wait on the slowest."""
+    gives every node the same slice, so uneven boxes would wait on the slowest. The root's
+    box gets `root_memory_mb` instead where given: the root alone holds the F32 embedding."""
     from edgebus.rehearse.sizing import box_shares
 
     shares = box_shares(plant, cpu_total=options.cpu_total, memory_scale=options.memory_scale)
     memory_mb = sum(share.memory_bytes for share in shares) // MIB // nodes
-    boxes = [BoxSpec(name=f"dllama-{index}", memory_mb=memory_mb, speed=1.0)
+    boxes = [BoxSpec(name=f"dllama-{index}",
+                     memory_mb=root_memory_mb if index == 0 and root_memory_mb else memory_mb,
+                     speed=1.0)
              for index in range(nodes)]
     even = plant.model_copy(update={"boxes": boxes})
     return even, Options(cpu_total=sum(share.cpu_cores for share in shares),
@@ -367,11 +373,11 @@ def parse_dllama(log: str) -> dict[str, Any]:
 
 
 def run_dllama(plant: Plant, options: Options, workdir: Path, binary: Path, model_dir: Path,
-               nodes: int, tokens: int) -> dict[str, Any]:
+               nodes: int, tokens: int, root_memory_mb: int | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import dllama_model
 
-    even, even_options = dllama_plant(plant, options, nodes)
+    even, even_options = dllama_plant(plant, options, nodes, root_memory_mb)
     shape = next(s for s in dllama_model.SHAPES.values()
                  if dllama_model.model_bytes(s) == (model_dir / "model.m").stat().st_size)
     prompt_tokens = dllama_prompt_tokens(PROMPT, set(dllama_model.vocabulary(shape)),
@@ -418,11 +424,12 @@ def run_dllama(plant: Plant, options: Options, workdir: Path, binary: Path, mode
                                    f"{log[-1500:]}")
             result = parse_dllama(log)
         except EdgebusError as exc:
-            return {"nodes": nodes, **_failure(rehearsal, exc)}
+            return {"nodes": nodes, "root_memory_mb": root_memory_mb,
+                    **_failure(rehearsal, exc)}
         peaks["boxes"] = memory_report(rehearsal)["boxes"]
     say(f"distributed-llama, one request: {result['decode_tok_s']:.2f} tok/s")
-    return {"nodes": nodes, "first_start_s": loaded, "prompt_tokens": prompt_tokens,
-            "single": result, **peaks}
+    return {"nodes": nodes, "root_memory_mb": root_memory_mb, "first_start_s": loaded,
+            "prompt_tokens": prompt_tokens, "single": result, **peaks}
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -547,7 +554,7 @@ def _memory(results: dict[str, Any]) -> list[str]:
 
 def _failures(results: dict[str, Any]) -> list[str]:
     lines = []
-    for name in ("plant", "rpc", "dllama", "one_box"):
+    for name in STEPS:
         error = results.get(name, {}).get("error")
         if error:
             kills = {box: info["oom_kills"] for box, info in
@@ -600,11 +607,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dllama-model", type=Path,
                         help="directory of model.m and tokenizer.t (tools/dllama_model.py)")
     parser.add_argument("--dllama-nodes", type=int, default=4, choices=(2, 4, 8))
+    parser.add_argument("--dllama-root-memory-mb", type=int,
+                        help="the root's box memory in the second distributed-llama run "
+                             "(dllama), after one at the even share (dllama_share)")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cpus", type=float, help="cores all boxes together get (rehearse's)")
-    parser.add_argument("--only", nargs="+", default=["plant", "rpc", "dllama", "one_box"],
-                        choices=["plant", "rpc", "dllama", "one_box"])
+    parser.add_argument("--only", nargs="+", choices=STEPS, default=list(STEPS))
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
     parser.add_argument("--from-json", action="store_true",
                         help="only write the section (with PLANT: add the predictions)")
@@ -645,10 +654,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "rpc": lambda d: (run_rpc(plant, options, d, tools, _ids(tools, plant.model),
                                   args.tokens, args.concurrency)
                           if isinstance(tools, LlamaTools) else {"error": tools.reason}),
-        "dllama": lambda d: (run_dllama(plant, options, d, args.dllama / "dllama",
-                                        args.dllama_model, args.dllama_nodes, args.tokens)
-                             if args.dllama and args.dllama_model
-                             else {"error": "not run: give --dllama and --dllama-model"}),
+        "dllama_share": lambda d: _dllama(args, plant, options, d, None),
+        "dllama": lambda d: _dllama(args, plant, options, d, args.dllama_root_memory_mb),
         "one_box": lambda d: run_one_box(plant, options, d, _broker_box(plant, options)),
     }
     with _workdir(args.keep) as workdir:
@@ -660,6 +667,14 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     if "plant" in results and not args.no_predict:
         results["plant"]["predicted"] = predictions(plant, options, args.concurrency)
     return results
+
+
+def _dllama(args: argparse.Namespace, plant: Plant, options: Options, workdir: Path,
+            root_memory_mb: int | None) -> dict[str, Any]:
+    if not (args.dllama and args.dllama_model):
+        return {"error": "not run: give --dllama and --dllama-model"}
+    return run_dllama(plant, options, workdir, args.dllama / "dllama", args.dllama_model,
+                      args.dllama_nodes, args.tokens, root_memory_mb)
 
 
 def _broker_box(plant: Plant, options: Options) -> str:
