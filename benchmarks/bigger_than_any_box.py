@@ -496,11 +496,30 @@ def render(results: dict[str, Any]) -> str:
     row("bytes on the wire per decode token", _f(wire and wire / 1024, 1, " KiB"), "-",
         _f(rpc.get("wire_bytes_per_token") and rpc["wire_bytes_per_token"] / 1024, 1, " KiB"),
         _f(ds.get("root_kb_per_token"), 1, " kB (root's sockets)"))
-    lines.append("")
+    lines += ["", _prompts(results), ""]
     lines += _ratios(results)
     lines += _memory(results)
     lines += _failures(results)
     return "\n".join(lines) + "\n"
+
+
+def _prompts(results: dict[str, Any]) -> str:
+    dl = results.get("dllama", {})
+    root = dl.get("root_memory_mb")
+    share = results.get("dllama_share", {})
+    outcome = ("answered" if share and not share.get("error") else
+               "killed or failed, below" if share else "not run")
+    return (f"The prompt is one plant question: {results.get('prompt_tokens', '-')} tokens with "
+            f"the GGUF's vocabulary (plant, RPC), {dl.get('prompt_tokens', '-')} with "
+            "tools/dllama_model.py's (distributed-llama), so TTFTs differ by more than "
+            f"speed. distributed-llama ran on {dl.get('nodes', '-')} even boxes with the plant's "
+            "total CPU quota and memory"
+            + (f"; its root's box had {root} MiB, because at the even share it {outcome}: the "
+               "root alone holds the F32 token embedding (2 GiB for Llama-3-8B)" if root else "")
+            + ". The plant's `predicted` column is the rehearsal's cost model "
+            "(docs/rehearse.md, \"What the prediction counts\")"
+            + (f", profiled {results['profile_note']}" if results.get("profile_note") else "")
+            + ".")
 
 
 def _ratios(results: dict[str, Any]) -> list[str]:
@@ -591,7 +610,7 @@ def _workdir(keep: Path | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _ids(tools: LlamaTools, gguf: Path) -> list[int]:
+def _ids(gguf: Path) -> list[int]:
     """PROMPT as the GGUF's tokenizer makes it, asked of llama.cpp (llama-tokenize is not
     built; the Python binding runs the same vocabulary code)."""
     from llama_cpp import Llama
@@ -645,13 +664,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     options = Options(cpu_total=args.cpus)
     tools = find_tools()
     results: dict[str, Any] = {
-        "machine": machine(),
+        "machine": machine(), "prompt_tokens": len(_ids(plant.model)),
         "model": f"{plant.model.name} ({plant.model.stat().st_size / 2**30:.1f} GiB)",
         "tokens": args.tokens, "concurrency": args.concurrency,
         "command": "python benchmarks/bigger_than_any_box.py " + " ".join(sys.argv[1:])}
     steps: dict[str, Callable[[Path], dict[str, Any]]] = {
         "plant": lambda d: run_plant(plant, options, d, args.tokens, args.concurrency),
-        "rpc": lambda d: (run_rpc(plant, options, d, tools, _ids(tools, plant.model),
+        "rpc": lambda d: (run_rpc(plant, options, d, tools, _ids(plant.model),
                                   args.tokens, args.concurrency)
                           if isinstance(tools, LlamaTools) else {"error": tools.reason}),
         "dllama_share": lambda d: _dllama(args, plant, options, d, None),
