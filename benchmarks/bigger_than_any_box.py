@@ -82,6 +82,8 @@ DLLAMA_TIMEOUT_S = 3600.0
 _POLL_S = 0.2
 # What one run measures, in this order.
 STEPS = ("plant", "dllama_share", "dllama", "rpc", "one_box")
+# Lines of a failed system's log the section quotes.
+_LOG_LINES = 4
 # The section's heading in docs/benchmarks.md.
 SECTION = "## Models bigger than any box"
 
@@ -572,19 +574,26 @@ def _memory(results: dict[str, Any]) -> list[str]:
 
 
 def _failures(results: dict[str, Any]) -> list[str]:
+    """What did not run through: OOM kills with the box's peak against its limit, else the
+    error's first line and the end of the log it quotes."""
     lines = []
     for name in STEPS:
-        error = results.get(name, {}).get("error")
-        if error:
-            kills = {box: info["oom_kills"] for box, info in
-                     results[name].get("boxes", {}).items() if info.get("oom_kills")}
-            lines += [f"{name} failed" + (f" (OOM kills: {kills})" if kills else "") + ":", "",
-                      "```", error.strip()[-800:], "```", ""]
+        result = results.get(name, {})
+        error = result.get("error")
+        if not error:
+            continue
+        killed = [f"{box} (peak {_f(info.get('peak_mib'), 0)} of {info['limit_mib']:.0f} MiB)"
+                  for box, info in result.get("boxes", {}).items() if info.get("oom_kills")]
+        text = error.strip().splitlines()
+        lines += [f"- {name}: " + (f"killed by the OOM killer on {', '.join(killed)}; "
+                                   if killed else "") + f"{text[0]}",
+                  "", "  ```", *(f"  {line[:160]}" for line in text[1:][-_LOG_LINES:]),
+                  "  ```", ""]
     one = results.get("one_box")
     if one and not one.get("error"):
         lines += [f"The whole model on {one['box']} alone answered at "
                   f"{_f(one['single'].get('decode_tok_s'))} tok/s.", ""]
-    return lines
+    return (["What failed:", "", *lines] if lines and lines[0].startswith("- ") else lines)
 
 
 def write_section(doc: Path, section: str) -> None:
