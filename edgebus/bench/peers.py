@@ -403,11 +403,13 @@ def context_size(prompt_tokens: int, tokens: int, slots: int) -> int:
 
 def server_argv(tools: LlamaTools, gguf: Path, *, port: int, threads: int, slots: int,
                 context: int, rpc: Sequence[str] = (),
-                speculative: Sequence[str] = ()) -> list[str]:
+                speculative: Sequence[str] = (), host: str = LOOPBACK,
+                tensor_split: Sequence[int] = ()) -> list[str]:
     """The llama-server command line: `slots` parallel slots sharing `context` positions,
     `threads` threads for prompt and generation, with `rpc` every layer on those workers,
-    and `speculative` options (LOOKUP_DECODING) added as given."""
-    argv = [str(tools.binary("llama-server")), "-m", str(gguf), "--host", LOOPBACK,
+    and `speculative` options (LOOKUP_DECODING) added as given; `tensor_split`: the
+    layers each RPC worker takes, in proportion (default: by their free memory)."""
+    argv = [str(tools.binary("llama-server")), "-m", str(gguf), "--host", host,
             "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
             "-c", str(context),
             # Every request pays its whole prefill, as in the pipeline: no prompt reuse from
@@ -417,12 +419,15 @@ def server_argv(tools: LlamaTools, gguf: Path, *, port: int, threads: int, slots
             "-fit", "off", "--no-webui"]
     if rpc:
         argv += ["--rpc", ",".join(rpc), "-ngl", "all"]
+    if tensor_split:
+        argv += ["--tensor-split", ",".join(map(str, tensor_split))]
     return argv + list(speculative)
 
 
-def rpc_server_argv(tools: LlamaTools, *, port: int, threads: int) -> list[str]:
-    """One ggml-rpc-server on loopback: a CPU device with `threads` threads."""
-    return [str(tools.binary("ggml-rpc-server")), "-H", LOOPBACK, "-p", str(port),
+def rpc_server_argv(tools: LlamaTools, *, port: int, threads: int,
+                    host: str = LOOPBACK) -> list[str]:
+    """One ggml-rpc-server on `host`: a CPU device with `threads` threads."""
+    return [str(tools.binary("ggml-rpc-server")), "-H", host, "-p", str(port),
             "-t", str(threads)]
 
 
@@ -444,17 +449,30 @@ def completion_body(ids: Sequence[int], tokens: int) -> dict[str, object]:
 class LlamaServer:
     """A running llama-server, and the client the bench measures it with."""
 
-    def __init__(self, process: ToolProcess, port: int) -> None:
+    def __init__(self, process: ToolProcess | Callable[[], int | None], port: int,
+                 host: str = LOOPBACK, name: str = "llama-server") -> None:
         self.process = process
         self.port = port
+        self.host = host
+        self.name = name
+
+    def _running(self) -> bool:
+        if isinstance(self.process, ToolProcess):
+            return self.process.running()
+        return self.process() is None
+
+    def _failure(self, what: str) -> EdgebusError:
+        if isinstance(self.process, ToolProcess):
+            return self.process.failure(what)
+        return EdgebusError(f"{what}: see {self.name}'s log")
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.process.running():
-                raise self.process.failure("llama-server did not come up")
+            if not self._running():
+                raise self._failure("llama-server did not come up")
             try:
-                conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=1.0)
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
                 try:
                     conn.request("GET", "/health")
                     if conn.getresponse().status == HTTPStatus.OK:  # 503 while loading
@@ -464,19 +482,20 @@ class LlamaServer:
             except OSError:
                 pass  # not listening yet
             time.sleep(_POLL_S)
-        raise self.process.failure(f"llama-server was not ready after {timeout:.0f} s")
+        raise self._failure(f"llama-server was not ready after {timeout:.0f} s")
 
     def complete(self, ids: Sequence[int], tokens: int) -> Trace:
         """One streamed completion, timed where the client sees it."""
         try:
-            return _streamed_completion(self.port, ids, tokens)
+            return _streamed_completion(self.port, ids, tokens, self.host)
         except (OSError, http.client.HTTPException) as exc:
-            raise self.process.failure(f"a completion failed ({exc})") from exc
+            raise self._failure(f"a completion failed ({exc})") from exc
 
 
-def _streamed_completion(port: int, ids: Sequence[int], tokens: int) -> Trace:
+def _streamed_completion(port: int, ids: Sequence[int], tokens: int,
+                         host: str = LOOPBACK) -> Trace:
     body = json.dumps(completion_body(ids, tokens)).encode()
-    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=REQUEST_TIMEOUT_S)
+    conn = http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S)
     try:
         sent = time.perf_counter()
         conn.request("POST", "/completion", body, {"Content-Type": "application/json"})

@@ -131,6 +131,16 @@ class Rehearsal:
 
     def start(self) -> None:
         """Build the boxes, start the broker and every agent (not waiting for them online)."""
+        self.build_boxes()
+        self._start_broker()
+        for stage in self.plant.stages:
+            self.start_agent(stage.node)
+        self.start_agent(self.plant.coordinator.id)
+
+    def build_boxes(self) -> None:
+        """The boxes alone, empty: namespaces, links and control groups. `start` then runs
+        the plant in them; a peer the plant is compared with runs its own processes there
+        instead (`spawn`), on the same quotas and limits."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         self.progress(f"building {len(self.shares)} boxes (run {self.run_id}): namespaces on "
@@ -147,10 +157,10 @@ class Rehearsal:
                           + (f"{share.link_mbit:g} Mbit/s" if share.link_mbit else "unlimited"))
         self.plant = self._rewritten()
         write_plant(self.plant, self.plant_path)
-        self._start_broker()
-        for stage in self.plant.stages:
-            self.start_agent(stage.node)
-        self.start_agent(self.plant.coordinator.id)
+
+    def address(self, box: str) -> str:
+        """`box`'s address on the rehearsal's bridge."""
+        return self.network.links[box].address
 
     def _rewritten(self) -> Plant:
         """The plant with its broker at the broker box's address, over plain MQTT."""
@@ -196,7 +206,7 @@ class Rehearsal:
         conf = broker_dir / "mosquitto.conf"
         conf.write_text("\n".join(lines) + "\n")
         self.progress(f"starting Mosquitto on {self.broker_box} ({link.address}:{port})")
-        self._spawn("broker", self.broker_box, [MOSQUITTO, "-c", str(conf)])
+        self.spawn("broker", self.broker_box, [MOSQUITTO, "-c", str(conf)])
         deadline = time.monotonic() + BROKER_START_S
         while not self._accepts(link.address, port):
             if self.procs["broker"].poll() is not None or time.monotonic() > deadline:
@@ -223,9 +233,12 @@ class Rehearsal:
             # One thread: the box's quota is at most a core (sizing.MAX_BOX_CORES).
             argv = [*command, "node", str(self.plant_path), "--id", agent, "--threads", "1"]
             box = agent
-        self._spawn(agent, box, argv)
+        self.spawn(agent, box, argv)
 
-    def _spawn(self, name: str, box: str, argv: list[str]) -> None:
+    def spawn(self, name: str, box: str, argv: list[str],
+              env: dict[str, str] | None = None) -> None:
+        """Run `argv` as `name` inside `box`: its namespace and control group, its output
+        into logs/`name`.log, stopped at teardown."""
         if name in self.procs and self.procs[name].poll() is None:
             raise EdgebusError(f"{name} is already running")
         namespace = self.network.links[box].namespace
@@ -244,7 +257,8 @@ class Rehearsal:
                 finally:
                     os.close(fd)
 
-        env = {**os.environ, "EDGEBUS_HOME": str(self.workdir / "home"), "HF_HUB_OFFLINE": "1",
+        env = {**(os.environ if env is None else env),
+               "EDGEBUS_HOME": str(self.workdir / "home"), "HF_HUB_OFFLINE": "1",
                "OMP_NUM_THREADS": "1"}
         log = (self.workdir / "logs" / f"{name}.log").open("ab")
         with log:
