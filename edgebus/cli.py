@@ -232,6 +232,10 @@ def _mosquitto_config(args: argparse.Namespace) -> None:
                                      bind=args.bind, install_dir=args.install_dir)
     for path in written:
         print(f"wrote {path}")
+    if args.broker is None and plant.broker.embedded:
+        print("the plant's broker is the embedded one: it takes its access rules from the plant "
+              "file, so it needs only the password file (name it as security.password_file); "
+              "mosquitto.conf and acl are for a Mosquitto (broker.url: mqtt://...)")
     assert plant.security is not None  # write_mosquitto_config refuses a plant without it
     print(f"passwords: {plant.security.credentials}/<identity>.password (mode 600); give each "
           "box only the files of the agents it runs")

@@ -148,3 +148,16 @@ def test_ask_says_it_waits_for_a_coordinator_that_is_not_online(
     assert (f"coordinator 'coordinator' is not online (its status at "
             f"{plant.topics.status('coordinator')} is not there): waiting up to "
             f"{COORDINATOR_WAIT_S:.0f} s") in said
+
+
+def test_mosquitto_config_of_an_embedded_broker_plant_says_why_only_passwd(
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    plant_path = tmp_path / "plant.yaml"
+    for argv in (["init", str(plant_path), "--model", str(tiny_llama_gguf)],
+                 ["broker", "mosquitto-config", str(plant_path), str(tmp_path / "out")]):
+        done = subprocess.run([sys.executable, "-m", "edgebus", *argv], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["passwd"]
+    assert "the plant's broker is the embedded one" in done.stdout
+    assert "only the password file" in done.stdout

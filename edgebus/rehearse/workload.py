@@ -64,7 +64,8 @@ class Observer:
     first_delta: dict[str, float] = field(default_factory=dict)
     done: dict[str, float] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _status_reader: StatusReader = field(default_factory=lambda: StatusReader(log.warning))
+    _status_reader: StatusReader = field(default_factory=lambda: StatusReader(log.warning),
+                                         init=False, repr=False)
 
     def on_message(self, message: aiomqtt.Message) -> None:
         payload = message.payload if isinstance(message.payload, bytes) else b""
