@@ -26,10 +26,14 @@ into place, so a crash never leaves a half-cut file that looks usable.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import re
+import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,14 @@ RANGE_KEY = "edgebus.layer_range"
 # read is no faster, and a 1.3B model is hashed in about a second.
 _HASH_CHUNK = 8 * 2**20
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.*)$")
+# Tensor bytes copied per call: bounds what a cut holds in memory where the kernel cannot copy
+# (one buffer of this size) and how often progress is counted; past a few MiB a larger copy
+# is no faster.
+COPY_CHUNK = 16 * 2**20
+# Seconds between progress lines on a long cut (minutes for a 9 GB model on an SD card).
+PROGRESS_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 def stage_file(source: Path, first: int, end: int, *, library_version: str,
@@ -74,7 +86,8 @@ def stage_file(source: Path, first: int, end: int, *, library_version: str,
     cache.mkdir(parents=True, exist_ok=True)
     staging = cache / f".{name}.{uuid.uuid4().hex}.tmp"
     try:
-        _cut(source, staging, first, end, role)
+        _cut(source, staging, first, end, role,
+             what=f"layers [{first}, {end}) of {source.name} into {target}")
         os.replace(staging, target)
     finally:
         staging.unlink(missing_ok=True)
@@ -135,7 +148,11 @@ def _stage_value(value: Any, name: str, arch: str, first: int, end: int, layers:
     return value
 
 
-def _cut(source: Path, dest: Path, first: int, end: int, role: str) -> None:
+def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
+         chunk: int = COPY_CHUNK, what: str = "") -> None:
+    """Write the stage file: metadata and tensor infos through gguf-py's writer, then each
+    kept tensor's bytes copied from `source` `chunk` bytes at a time (copy_file_range, else
+    read into one buffer), so memory holds no tensor, however large the model."""
     reader = _reader(source)
     arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
     middle = role == "middle"
@@ -155,11 +172,17 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str) -> None:
     if middle:
         writer.add_key_value("tokenizer.ggml.model", "none", gguf.GGUFValueType.STRING)
         writer.add_key_value(f"{arch}.vocab_size", VOCAB_KEEP, gguf.GGUFValueType.UINT32)
+    q_lora = gguf.Keys.Attention.Q_LORA_RANK.format(arch=arch)
+    if arch in _LITE_BY_LAYER_COUNT and q_lora not in reader.fields:
+        # llama.cpp takes a deepseek2 file without q_lora_rank for a "lite" model (a full-rank
+        # query) by its layer count alone (27 or 26): a stage of DeepSeek-V2-Lite has fewer
+        # layers and says so outright, where 0 means what the absent key meant.
+        writer.add_key_value(q_lora, 0, gguf.GGUFValueType.UINT32)
     writer.add_key_value(RANGE_KEY, [first, end], gguf.GGUFValueType.ARRAY,
                          sub_type=gguf.GGUFValueType.UINT32)
-    kept = []
+    kept: list[tuple[int, int]] = []  # (offset in source, bytes) of each tensor written
     for tensor in reader.tensors:
-        data, name = tensor.data, tensor.name
+        name, shape, size = tensor.name, tensor.data.shape, int(tensor.n_bytes)
         block = _BLOCK.match(name)
         if block:
             layer = int(block.group(1))
@@ -169,13 +192,113 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str) -> None:
         elif role == "first" and name == "output.weight":
             continue  # the first stage stops before the LM head
         elif middle and name in ("token_embd.weight", "output.weight"):
-            data = data[:VOCAB_KEEP]  # rows are numpy's outermost axis
-        kept.append((name, data, tensor.tensor_type))
-    for name, data, quant in kept:
-        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, quant)
+            # The first rows: numpy's outermost axis, stored first.
+            size = size // shape[0] * VOCAB_KEEP
+            shape = (VOCAB_KEEP, *shape[1:])
+        writer.add_tensor_info(name, shape, tensor.data.dtype, size, tensor.tensor_type)
+        kept.append((int(tensor.data_offset), size))
+    total = sum(size for _, size in kept)
+    _check_free_space(dest.parent, total + reader.data_offset + len(kept) * writer.data_alignment,
+                      what)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _, data, _ in kept:
-        writer.write_tensor_data(data)
+    assert writer.fout is not None
+    out = writer.fout[0]
+    out.flush()  # from here on the tensor bytes go to the descriptor directly
+    progress = _Progress(what, total)
+    with source.open("rb") as src:
+        copy = _Copier(src.fileno(), out.fileno(), chunk)
+        for offset, size in kept:
+            copy.padding(writer.data_alignment)
+            copy.range(offset, size, progress)
     writer.close()
+    progress.done()
+
+
+# Architectures whose "lite" variant llama.cpp recognises by layer count (see _cut).
+_LITE_BY_LAYER_COUNT = ("deepseek2",)
+
+
+def _check_free_space(folder: Path, needed: int, what: str) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise EngineError(f"{what or 'a stage file'} needs {needed / 2**20:,.0f} MiB in "
+                          f"{folder}, which has {free / 2**20:,.0f} MiB free: free space "
+                          "there, or set EDGEBUS_HOME to a disk that has it")
+
+
+class _Copier:
+    """Bytes of one file appended to another in bounded chunks: the kernel copies them
+    (copy_file_range) where it can, else they pass through one reused buffer."""
+
+    def __init__(self, src: int, dst: int, chunk: int) -> None:
+        self.src, self.dst, self.chunk = src, dst, chunk
+        self.written = os.lseek(dst, 0, os.SEEK_CUR)
+        self._in_kernel = hasattr(os, "copy_file_range")
+        self._buffer: bytearray | None = None
+
+    def padding(self, alignment: int) -> None:
+        """Zeros up to the next multiple of `alignment`, where GGUF starts each tensor."""
+        self._write(bytes(-self.written % alignment))
+
+    def range(self, offset: int, size: int, progress: _Progress) -> None:
+        end = offset + size
+        while offset < end:
+            moved = self._copy(offset, min(self.chunk, end - offset))
+            if not moved:
+                raise EngineError(f"the source GGUF ended {offset} bytes in, before its "
+                                  "tensors did: is the file complete?")
+            offset += moved
+            progress.add(moved)
+
+    def _copy(self, offset: int, size: int) -> int:
+        if self._in_kernel:
+            try:
+                moved = os.copy_file_range(self.src, self.dst, size, offset)
+            except OSError as exc:
+                # Not between these files (another file system, an old kernel): read instead.
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                self._in_kernel = False
+            else:
+                self.written += moved
+                return moved
+        if self._buffer is None:
+            self._buffer = bytearray(self.chunk)
+        view = memoryview(self._buffer)[:size]
+        got = os.preadv(self.src, [view], offset)
+        self._write(view[:got])
+        return got
+
+    def _write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        self.written += len(view)
+        while view:
+            view = view[os.write(self.dst, view):]
+
+
+# copy_file_range's errors that mean "not between these two files", not a failed copy.
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+class _Progress:
+    """Log lines on a long cut: the stage agent's log, which `edgebus up` shows."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.copied = what or "a stage file", total, 0
+        self.started = self._last = time.monotonic()
+
+    def add(self, size: int) -> None:
+        self.copied += size
+        now = time.monotonic()
+        if now - self._last >= PROGRESS_S:
+            self._last = now
+            log.info("cutting %s: %.0f of %.0f MiB (%.0f %%), %.0f s", self.what,
+                     self.copied / 2**20, self.total / 2**20,
+                     100 * self.copied / max(self.total, 1), now - self.started)
+
+    def done(self) -> None:
+        seconds = time.monotonic() - self.started
+        if seconds >= PROGRESS_S:
+            log.info("cut %s: %.0f MiB in %.0f s", self.what, self.total / 2**20, seconds)
