@@ -22,6 +22,14 @@ a GGUF in a directory the agents cannot write (a package's, or one the
 systemd units keep read-only), and the digest in the name keeps the files of
 different models apart. A file is written under a temporary name and renamed
 into place, so a crash never leaves a half-cut file that looks usable.
+
+A cut streams: the header is walked without decoding the vocabulary
+(gguf_model.layout), keys the stage does not change are copied as bytes, and
+tensor bytes go from the source to the stage file in COPY_CHUNK pieces, by the
+kernel where it can (copy_file_range). Nothing maps the model into the
+agent's memory, free disk space is checked before writing, and a long cut logs
+its progress every PROGRESS_S seconds. The file is byte for byte what gguf-py's
+writer would write from the same tensors (tests/test_gguf_model.py).
 """
 
 from __future__ import annotations
@@ -30,9 +38,12 @@ import errno
 import hashlib
 import json
 import logging
+import math
+import mmap
 import os
 import re
 import shutil
+import struct
 import time
 import uuid
 from pathlib import Path
@@ -40,7 +51,7 @@ from typing import Any
 
 import gguf
 
-from edgebus.errors import EngineError
+from edgebus.errors import CheckpointError, EngineError
 from edgebus.model_import import edgebus_home
 from node_agent import gguf_model
 
@@ -100,14 +111,6 @@ def _role(first: int, end: int, layers: int) -> str:
     return "last" if end == layers else "middle"
 
 
-def _reader(path: Path) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise EngineError(f"cannot read {path} as a GGUF file ({exc}): is it a complete "
-                          "GGUF model?") from exc
-
-
 def _digest(path: Path, cache: Path) -> str:
     """sha256 of the file, remembered in `cache` for as long as its path, size and mtime
     hold."""
@@ -150,70 +153,118 @@ def _stage_value(value: Any, name: str, arch: str, first: int, end: int, layers:
 
 def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
          chunk: int = COPY_CHUNK, what: str = "") -> None:
-    """Write the stage file: metadata and tensor infos through gguf-py's writer, then each
-    kept tensor's bytes copied from `source` `chunk` bytes at a time (copy_file_range, else
-    read into one buffer), so memory holds no tensor, however large the model."""
-    reader = _reader(source)
-    arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    """Write the stage file: the source's header with what the stage changes (its layer
+    count, per-layer values, tensor infos; a middle stage's vocabulary), every other key's
+    bytes as they are, then each kept tensor's bytes copied from `source` `chunk` bytes at a
+    time (copy_file_range, else through one buffer): memory holds the header and one chunk,
+    however large the model."""
+    try:
+        src = gguf_model.layout(source)
+    except CheckpointError as exc:
+        raise EngineError(str(exc)) from exc
+    fields = {entry.key: entry for entry in src.entries}
+    arch = str(fields[gguf.Keys.General.ARCHITECTURE].value)
     middle = role == "middle"
-    layers = int(reader.fields[f"{arch}.block_count"].contents())
-    writer = gguf.GGUFWriter(str(dest), arch=arch, endianess=reader.endianess)
-    for field in reader.fields.values():
-        name = field.name
-        if name == gguf.Keys.General.ARCHITECTURE or name.startswith("GGUF."):
-            continue  # the writer adds these itself
-        if middle and (name.startswith("tokenizer.") or name == f"{arch}.vocab_size"):
-            continue
-        value = _stage_value(field.contents(), name, arch, first, end, layers)
-        kind = field.types[0]
-        writer.add_key_value(name, value, kind,
-                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY
-                             else None)
+    layers = int(fields[f"{arch}.block_count"].value)
+    header = _Encoder(src.order)
+    with source.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        entries: list[bytes] = []
+        for entry in src.entries:
+            name = entry.key
+            if middle and (name.startswith("tokenizer.") or name == f"{arch}.vocab_size"):
+                continue
+            value = _stage_value(entry.value, name, arch, first, end, layers)
+            if value == entry.value:
+                entries.append(data[entry.start:entry.end])  # as shipped, not re-encoded
+            else:
+                item = (struct.unpack_from(src.order + "I", data,
+                                           entry.start + 8 + len(name.encode()) + 4)[0]
+                        if entry.kind == gguf.GGUFValueType.ARRAY else None)
+                entries.append(header.entry(name, entry.kind, value, item))
     if middle:
-        writer.add_key_value("tokenizer.ggml.model", "none", gguf.GGUFValueType.STRING)
-        writer.add_key_value(f"{arch}.vocab_size", VOCAB_KEEP, gguf.GGUFValueType.UINT32)
+        entries.append(header.entry("tokenizer.ggml.model", gguf.GGUFValueType.STRING, "none"))
+        entries.append(header.entry(f"{arch}.vocab_size", gguf.GGUFValueType.UINT32,
+                                    VOCAB_KEEP))
     q_lora = gguf.Keys.Attention.Q_LORA_RANK.format(arch=arch)
-    if arch in _LITE_BY_LAYER_COUNT and q_lora not in reader.fields:
+    if arch in _LITE_BY_LAYER_COUNT and q_lora not in fields:
         # llama.cpp takes a deepseek2 file without q_lora_rank for a "lite" model (a full-rank
         # query) by its layer count alone (27 or 26): a stage of DeepSeek-V2-Lite has fewer
         # layers and says so outright, where 0 means what the absent key meant.
-        writer.add_key_value(q_lora, 0, gguf.GGUFValueType.UINT32)
-    writer.add_key_value(RANGE_KEY, [first, end], gguf.GGUFValueType.ARRAY,
-                         sub_type=gguf.GGUFValueType.UINT32)
+        entries.append(header.entry(q_lora, gguf.GGUFValueType.UINT32, 0))
+    entries.append(header.entry(RANGE_KEY, gguf.GGUFValueType.ARRAY, [first, end],
+                                gguf.GGUFValueType.UINT32))
     kept: list[tuple[int, int]] = []  # (offset in source, bytes) of each tensor written
-    for tensor in reader.tensors:
-        name, shape, size = tensor.name, tensor.data.shape, int(tensor.n_bytes)
-        block = _BLOCK.match(name)
-        if block:
-            layer = int(block.group(1))
-            if not first <= layer < end:
+    infos: list[bytes] = []
+    offset = 0
+    for tensor in src.tensors:
+        name, dims = tensor.name, tensor.dims
+        block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.kind]
+        size = math.prod(dims) // block * block_bytes
+        layer = _BLOCK.match(name)
+        if layer:
+            index = int(layer.group(1))
+            if not first <= index < end:
                 continue
-            name = f"blk.{layer - first}.{block.group(2)}"
+            name = f"blk.{index - first}.{layer.group(2)}"
         elif role == "first" and name == "output.weight":
             continue  # the first stage stops before the LM head
         elif middle and name in ("token_embd.weight", "output.weight"):
-            # The first rows: numpy's outermost axis, stored first.
-            size = size // shape[0] * VOCAB_KEEP
-            shape = (VOCAB_KEEP, *shape[1:])
-        writer.add_tensor_info(name, shape, tensor.data.dtype, size, tensor.tensor_type)
-        kept.append((int(tensor.data_offset), size))
-    total = sum(size for _, size in kept)
-    _check_free_space(dest.parent, total + reader.data_offset + len(kept) * writer.data_alignment,
-                      what)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    assert writer.fout is not None
-    out = writer.fout[0]
-    out.flush()  # from here on the tensor bytes go to the descriptor directly
-    progress = _Progress(what, total)
-    with source.open("rb") as src:
-        copy = _Copier(src.fileno(), out.fileno(), chunk)
-        for offset, size in kept:
-            copy.padding(writer.data_alignment)
-            copy.range(offset, size, progress)
-    writer.close()
+            # The first rows (GGUF's last axis, stored first).
+            size = size // dims[-1] * VOCAB_KEEP
+            dims = (*dims[:-1], VOCAB_KEEP)
+        infos.append(header.tensor_info(name, dims, tensor.kind, offset))
+        kept.append((src.data_start + tensor.offset, size))
+        offset += size + -size % src.alignment
+    head = (header.start(len(infos), len(entries)) + b"".join(entries) + b"".join(infos))
+    _check_free_space(dest.parent, len(head) + src.alignment + offset, what)
+    progress = _Progress(what, offset)
+    with source.open("rb") as src_file, dest.open("wb") as out:
+        copy = _Copier(src_file.fileno(), out.fileno(), chunk)
+        copy.write(head)
+        for start, size in kept:
+            copy.padding(src.alignment)
+            copy.range(start, size, progress)
+        copy.padding(src.alignment)
     progress.done()
+
+
+class _Encoder:
+    """GGUF header items in a byte order, as gguf-py's writer encodes them."""
+
+    def __init__(self, order: str) -> None:
+        self.order = order
+
+    def start(self, tensors: int, entries: int) -> bytes:
+        return _MAGIC + struct.pack(self.order + "IQQ", _VERSION, tensors, entries)
+
+    def entry(self, key: str, kind: gguf.GGUFValueType, value: Any,
+              item: int | None = None) -> bytes:
+        return self._string(key) + struct.pack(self.order + "I", kind) + self._value(
+            kind, value, item)
+
+    def tensor_info(self, name: str, dims: tuple[int, ...], kind: gguf.GGMLQuantizationType,
+                    offset: int) -> bytes:
+        return (self._string(name) + struct.pack(self.order + "I", len(dims))
+                + struct.pack(self.order + "Q" * len(dims), *dims)
+                + struct.pack(self.order + "IQ", kind, offset))
+
+    def _string(self, text: str) -> bytes:
+        raw = text.encode()
+        return struct.pack(self.order + "Q", len(raw)) + raw
+
+    def _value(self, kind: int, value: Any, item: int | None) -> bytes:
+        if kind == gguf.GGUFValueType.STRING:
+            return self._string(value)
+        if kind == gguf.GGUFValueType.ARRAY:
+            assert item is not None
+            return struct.pack(self.order + "IQ", item, len(value)) + b"".join(
+                self._value(item, v, None) for v in value)
+        return struct.pack(self.order + gguf_model.SCALARS[gguf.GGUFValueType(kind)], value)
+
+
+_MAGIC = b"GGUF"
+# The GGUF version written, as gguf-py's writer writes it.
+_VERSION = 3
 
 
 # Architectures whose "lite" variant llama.cpp recognises by layer count (see _cut).
@@ -237,6 +288,9 @@ class _Copier:
         self.written = os.lseek(dst, 0, os.SEEK_CUR)
         self._in_kernel = hasattr(os, "copy_file_range")
         self._buffer: bytearray | None = None
+
+    def write(self, data: bytes) -> None:
+        self._write(data)
 
     def padding(self, alignment: int) -> None:
         """Zeros up to the next multiple of `alignment`, where GGUF starts each tensor."""
