@@ -6,11 +6,18 @@ engine is tested on several types without llama.cpp's build tools.
 `tiny_gguf` converts a tiny random checkpoint of another family (tiny_models.py)
 with llama.cpp's own converter, from the source vendored in the installed
 llama-cpp-python's sdist (downloaded once; nothing is compiled).
+`tiny_random_gguf` writes a tiny model of a real model's family with
+tools/random_gguf.py (random quantized blocks, no checkpoint at all): the
+families the tool writes at real scale (deepseek2, qwen3moe), in seconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
@@ -60,3 +67,42 @@ def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType) -> Pa
     writer.write_tensors_to_file()
     writer.close()
     return dest
+
+
+def random_gguf_tool() -> ModuleType:
+    """tools/random_gguf.py, which lives outside the installed packages."""
+    name = "random_gguf"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# Each family of random_gguf's SHAPES made tiny; what each keeps of its model:
+# - llama: grouped KV heads, and a vocabulary grown past SmolLM2's 49152 tokens;
+# - deepseek2: DeepSeek-V2-Lite's 27 layers (llama.cpp knows a "lite" model, one without
+#   q_lora_rank, by that count), MLA with a full-rank query, the leading dense layer, shared
+#   experts, and 32-wide rows that Q4_K's 256-element blocks do not divide (the fallback);
+# - qwen3moe: head_dim apart from hidden / heads, and the query and key norms.
+# The other vocabularies are cut small: each llama.cpp load and cut reads every token.
+TINY_SHAPES = {
+    "llama": ("llama-3-8b", dict(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
+                                 vocab=49408)),
+    "deepseek2": ("deepseek-v2-lite", dict(hidden=256, heads=4, intermediate=512, vocab=2000,
+                                           experts=4, experts_used=2, moe_intermediate=64,
+                                           kv_lora_rank=64, qk_nope=32, qk_rope=32, v_head=32)),
+    "qwen3moe": ("qwen3-30b-a3b", dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64,
+                                       vocab=2000, experts=8, experts_used=2,
+                                       moe_intermediate=256)),
+}
+
+
+def tiny_random_gguf(family: str, file_type: str, dest: Path) -> Path:
+    """A tiny model of `family` (TINY_SHAPES) written by tools/random_gguf.py as `dest`."""
+    tool = random_gguf_tool()
+    real, changes = TINY_SHAPES[family]
+    return tool.write(dataclasses.replace(tool.SHAPES[real], **changes), file_type, dest)

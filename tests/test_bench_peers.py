@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from edgebus.bench import peers
+from edgebus.bench import peers, seed_model
 from edgebus.bench.metrics import StreamStats
 from edgebus.bench.peers import LlamaTools, Skipped
 from edgebus.cli import build_parser
@@ -275,42 +275,13 @@ def test_a_tool_is_stopped_on_leaving_even_on_an_error(tmp_path: Path) -> None:
         os.kill(pid, 0)
 
 
-# -- the seed model's shape and tokenizer -----------------------------------------------------
-
-
-def test_seed_shape_is_deepseek_coder_1_3b() -> None:
-    shape = peers.SEED_SHAPE
-    assert (shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]) == (
-        2048, 24, 5504)
-    assert (shape["num_attention_heads"], shape["num_key_value_heads"]) == (16, 16)
-    assert (shape["vocab_size"], shape["max_position_embeddings"]) == (32256, 16384)
-    assert shape["rms_norm_eps"] == 1e-6 and shape["rope_theta"] == 100000.0
-    assert shape["tie_word_embeddings"] is False
+# -- the seed model ------------------------------------------------------------------------------
 
 
 def test_seed_gguf_refuses_an_unknown_type(tmp_path: Path) -> None:
-    tools = LlamaTools(version="0", bin_dir=tmp_path / "bin", source=tmp_path / "src")
     with pytest.raises(EdgebusError, match="Q4_0, Q4_1, Q8_0"):
-        peers.seed_gguf(tools, tmp_path / "model", "Q3_K")
-
-
-@pytest.mark.slow
-def test_seed_tokenizer_loads_in_transformers_and_matches_sentencepiece(tmp_path: Path) -> None:
-    """What a stage and the coordinator load: AutoTokenizer from the directory, with the chat
-    template the bench's chat request goes through; ids as SentencePiece gives them."""
-    sentencepiece = pytest.importorskip("sentencepiece")
-    from transformers import AutoTokenizer
-
-    peers._write_seed_tokenizer(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
-    assert len(tokenizer) == peers.SEED_SPM_VOCAB <= peers.SEED_SHAPE["vocab_size"]  # type: ignore[operator]
-    processor = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
-    text = "def check(pressure):\n    return pressure < 180  # bar"
-    assert tokenizer(text, add_special_tokens=False)["input_ids"] == processor.encode(text)
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is a PLC?"}],
-                                         add_generation_prompt=True, tokenize=False)
-    assert isinstance(chat, str)
-    assert chat.endswith("### Response:\n") and "What is a PLC?" in chat
+        seed_model.seed_gguf("Q3_K", home=tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 # -- the real tools, where they are built ------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import filecmp
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gguf
@@ -23,7 +24,7 @@ from test_llamacpp import KV_BUDGET_MB, LIMITS, SPLITS, reference, requests
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from edgebus.cli import main
-from edgebus.errors import PlantConfigError
+from edgebus.errors import EngineError, PlantConfigError
 from edgebus.model_import import bundled_gguf
 from node_agent import gguf_model
 from node_agent.costs import model_costs, profiled_model
@@ -178,6 +179,39 @@ def test_stage_files_are_cut_into_edgebus_home_not_beside_the_gguf(
     assert [p.name for p in shipped.iterdir()] == [bundled.name]
     reader = gguf.GGUFReader(str(cut))
     assert reader.fields[stage_gguf.RANGE_KEY].contents() == [10, 20]
+
+
+def test_a_cut_is_the_same_bytes_whatever_its_chunks_and_copy(
+        bundled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cut streams tensor bytes in bounded chunks, by the kernel or through one buffer:
+    chunks that split blocks, and either way of copying, give the same file, whose tensors
+    are the source's bytes."""
+    cuts = {}
+    for name, chunk in (("default", stage_gguf.COPY_CHUNK), ("odd", 1000)):
+        cuts[name] = tmp_path / f"{name}.gguf"
+        stage_gguf._cut(bundled, cuts[name], 10, 20, "middle", chunk=chunk)
+    monkeypatch.delattr(stage_gguf.os, "copy_file_range")
+    cuts["buffered"] = tmp_path / "buffered.gguf"
+    stage_gguf._cut(bundled, cuts["buffered"], 10, 20, "middle", chunk=4096)
+    content = {name: path.read_bytes() for name, path in cuts.items()}
+    assert content["odd"] == content["default"] == content["buffered"]
+    source = {t.name: bytes(t.data) for t in gguf.GGUFReader(str(bundled)).tensors}
+    for tensor in gguf.GGUFReader(str(cuts["default"])).tensors:
+        layer = tensor.name.split(".")
+        if tensor.name.startswith("blk."):
+            shipped = source[f"blk.{int(layer[1]) + 10}.{'.'.join(layer[2:])}"]
+        else:
+            shipped = source[tensor.name][:len(bytes(tensor.data))]  # the embedding's rows
+        assert bytes(tensor.data) == shipped, tensor.name
+
+
+def test_a_cut_without_the_disk_space_says_where_and_how_much(
+        bundled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stage_gguf.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(free=2**20))
+    with pytest.raises(EngineError, match=rf"needs [\d,]+ MiB in {tmp_path}, which has 1 MiB"):
+        stage_gguf.stage_file(bundled, 10, 20, library_version="test", cache=tmp_path)
+    assert not [p for p in tmp_path.iterdir() if p.suffix in (".gguf", ".tmp")]
 
 
 def test_the_bytes_of_each_part_are_the_files_tensors(bundled: Path) -> None:

@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 import pytest
 from brokers import BrokerHandle
-from gguf_models import requantize, tiny_gguf
+from gguf_models import requantize, tiny_gguf, tiny_random_gguf
 from llama_cpp import Llama
 from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running
 from test_pipeline import MAX_TOKENS, SMOLLM2_SPLITS
@@ -256,10 +256,36 @@ def test_a_stage_file_holds_its_layers_only(smollm2_gguf: Path) -> None:
 def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_gguf: Path) -> None:
     """Three stages chained give the whole model's logits bit for bit, for a prompt chunk
     and for decode rows of two requests batched in one call."""
-    whole = load_engine(smollm2_gguf, 0, 30, weights="gguf", threads=2, shape=SMALL)
-    chain = [load_engine(smollm2_gguf, a, b, weights="gguf", threads=2, shape=SMALL)
-             for a, b in SPLITS["3-stages"]]
-    prompts = [np.array([[1, 9690, 198, 2683, 359, 253]]), np.array([[1, 504, 3295]])]
+    _assert_chain_is_whole(smollm2_gguf, 30, SPLITS["3-stages"])
+
+
+def test_moe_stages_hold_their_own_experts_and_chain_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DeepSeek-V2-Lite-like model (MLA, a leading dense layer, routed and shared experts,
+    no q_lora_rank) cut where MoE layers meet: each stage file holds its own layers' tensors,
+    experts included, and the chain is the whole model bit for bit."""
+    monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))
+    source = tiny_random_gguf("deepseek2", "Q4_0", tmp_path / "model.gguf")
+    splits = [(0, 9), (9, 18), (18, 27)]
+    whole = [t.name for t in gguf.GGUFReader(str(source)).tensors]
+    version = library.library_version()
+    for first, end in splits:
+        cut = stage_gguf.stage_file(source, first, end, library_version=version)
+        held = {t.name for t in gguf.GGUFReader(str(cut)).tensors if t.name.startswith("blk.")}
+        assert held == {f"blk.{layer - first}.{rest}" for name in whole
+                        if name.startswith("blk.")
+                        for layer, rest in [(int(name.split(".")[1]), name.split(".", 2)[2])]
+                        if first <= layer < end}
+        assert any(name.endswith("ffn_gate_exps.weight") for name in held)
+    _assert_chain_is_whole(source, 27, splits)
+
+
+def _assert_chain_is_whole(model: Path, layers: int, splits: list[tuple[int, int]]) -> None:
+    whole = load_engine(model, 0, layers, weights="gguf", threads=2, shape=SMALL)
+    chain = [load_engine(model, a, b, weights="gguf", threads=2, shape=SMALL)
+             for a, b in splits]
+    # Ids within every tested vocabulary (the tiny ones hold 2000).
+    prompts = [np.array([[1, 969, 198, 1683, 359, 253]]), np.array([[1, 504, 1295]])]
 
     def run(stages: list, xs: list[np.ndarray], caches: list, starts: list[int]) -> list:
         for stage, stage_caches in zip(stages, caches, strict=True):

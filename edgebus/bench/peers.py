@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import importlib.util
-import io
 import json
 import multiprocessing
 import os
@@ -29,7 +28,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import tempfile
 import time
@@ -903,180 +901,7 @@ def _llama_cpp_python_traces(gguf: str, ids: list[int], tokens: int, runs: int, 
         llm.close()
 
 
-# -- a model of the seed's shape, and its GGUFs -----------------------------------------
-
-# DeepSeek-Coder-1.3B's shape (its config.json), the seed plant's model: speed depends on
-# the shapes, not on the values, and the real weights cannot be had here.
-SEED_MODEL_NAME = "deepseek-coder-1.3b-shape"
-SEED_SHAPE: dict[str, object] = {
-    "hidden_size": 2048, "num_hidden_layers": 24, "intermediate_size": 5504,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32256,
-    "rms_norm_eps": 1e-6, "rope_theta": 100000.0, "max_position_embeddings": 16384,
-    "tie_word_embeddings": False, "hidden_act": "silu",
-}
-# transformers draws every weight from N(0, initializer_range): 0.02 keeps 24 layers'
-# activations small, so the f16 GGUF and its 4-bit quantizations stay finite.
-SEED_INIT_STD = 0.02
-# The trained SentencePiece vocabulary; the converter pads it to the config's 32256 with
-# [PAD] tokens, as DeepSeek-Coder's own 32022-token vocabulary is padded.
-SEED_SPM_VOCAB = 32000
-# SentencePiece ids of the special tokens, as in LLaMA's and DeepSeek-Coder's tokenizer.model.
-_UNK_ID, _BOS_ID, _EOS_ID = 0, 1, 2
-# A chat template in DeepSeek-Coder-Instruct's style (instruction / response), so that the
-# bench's chat requests tokenize through it as they do for SmolLM2.
-SEED_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'user' %}### Instruction:\n{{ message['content'] }}\n"
-    "{% else %}### Response:\n{{ message['content'] }}\n{{ eos_token }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}### Response:\n{% endif %}")
-# One file, as `edgebus model import-gguf` writes: a 5.4 GB fp32 checkpoint would otherwise
-# be cut into shards at transformers' default size.
-_MAX_SHARD = "64GB"
-SEED_MARKER = ".edgebus-seed-model.json"
-_READABLE = 0o644
-# Bump when the model or tokenizer written here changes, so cached copies get redone.
-_SEED_FORMAT = 1
-# The GGUF types the bench compares: llama.cpp's 4-bit pair and its 8-bit type.
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-
-
-def seed_model_dir(home: Path | None = None) -> Path:
-    return (edgebus_home() if home is None else home) / "models" / SEED_MODEL_NAME
-
-
-def make_seed_model(dest: Path | None = None, *, seed: int = 0,
-                    out: TextIO = sys.stdout) -> Path:
-    """A random-weight LlamaForCausalLM of DeepSeek-Coder-1.3B's shape (SEED_SHAPE), as an HF
-    directory edgebus stages and llama.cpp's converter both load; cached.
-
-    Writes config.json, generation_config.json, model.safetensors (fp32, ~5.4 GB) and a
-    tokenizer: tokenizer.model, a SentencePiece BPE of SEED_SPM_VOCAB pieces (byte fallback,
-    like LLaMA's and DeepSeek-Coder's) trained on this Python's standard library source,
-    since DeepSeek-Coder's own tokenizer cannot be had offline, with tokenizer.json and
-    tokenizer_config.json made from it. The vocabulary is 32000 pieces; the config's
-    32256 rows stay, and llama.cpp's converter pads the GGUF's vocabulary to them with
-    [PAD] tokens. Built in a hidden directory and renamed into place when complete.
-    """
-    dest = seed_model_dir() if dest is None else Path(dest)
-    if _seed_complete(dest):
-        return dest
-    if dest.exists():
-        raise EdgebusError(f"{dest} exists but holds no complete model of the seed's shape: "
-                           "delete it and run again")
-    staging = dest.with_name(f".{dest.name}.building-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        print(f"training a {SEED_SPM_VOCAB}-piece SentencePiece tokenizer", file=out, flush=True)
-        _write_seed_tokenizer(staging)
-        print(f"writing a random-weight model of DeepSeek-Coder-1.3B's shape to {dest} "
-              "(~5.4 GB of fp32)", file=out, flush=True)
-        _write_seed_weights(staging, seed)
-        for path in staging.iterdir():
-            # safetensors writes 0600: other users (a node agent's service account) must read.
-            path.chmod(_READABLE)
-        (staging / SEED_MARKER).write_text(json.dumps(
-            {"format": _SEED_FORMAT, "shape": SEED_SHAPE, "seed": seed,
-             "init_std": SEED_INIT_STD, "spm_vocab": SEED_SPM_VOCAB}, indent=2) + "\n")
-        os.rename(staging, dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return dest
-
-
-def _seed_complete(model_dir: Path) -> bool:
-    marker = _read_json(model_dir / SEED_MARKER)
-    return marker is not None and marker.get("format") == _SEED_FORMAT
-
-
-def _read_json(path: Path) -> dict[str, object] | None:
-    try:
-        content = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return content if isinstance(content, dict) else None
-
-
-def seed_corpus() -> list[str]:
-    """Text to train the tokenizer on: the non-blank lines of this Python's standard library
-    source (code, as a coder model's tokenizer is trained on), in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(path for path in root.rglob("*.py")
-                   if not {"site-packages", "test", "tests"} & set(path.relative_to(root).parts))
-    lines = [line for path in files
-             for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    if not lines:
-        raise EdgebusError(f"no Python source under {root} to train the seed model's "
-                           "tokenizer on: install the Python standard library's source")
-    return lines
-
-
-def _write_seed_tokenizer(model_dir: Path) -> None:
-    try:
-        import sentencepiece as spm
-    except ImportError as exc:
-        raise EdgebusError("the seed model's tokenizer is a SentencePiece model: "
-                           "pip install -e \".[bench]\"") from exc
-    from transformers import AutoTokenizer
-
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(seed_corpus()), model_writer=model, model_type="bpe",
-        vocab_size=SEED_SPM_VOCAB, byte_fallback=True, split_digits=True,
-        # Code: keep whitespace as written (indentation is meaning), and normalize nothing.
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, character_coverage=0.9999,
-        unk_id=_UNK_ID, bos_id=_BOS_ID, eos_id=_EOS_ID, pad_id=-1,
-        num_threads=len(os.sched_getaffinity(0)), input_sentence_size=0,
-        max_sentence_length=1 << 16, minloglevel=2)
-    (model_dir / "tokenizer.model").write_bytes(model.getvalue())
-    # transformers builds its tokenizer.json from tokenizer.model; the stages then load that
-    # without sentencepiece, and llama.cpp's converter reads tokenizer.model itself.
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, tokenizer_class="LlamaTokenizer",
-                                              legacy=False)
-    tokenizer.chat_template = SEED_CHAT_TEMPLATE
-    tokenizer.save_pretrained(model_dir)
-
-
-def _write_seed_weights(model_dir: Path, seed: int) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
-
-    # from_dict: transformers 5 moves rope_theta into rope_parameters, as from a config.json.
-    config = LlamaConfig.from_dict({**SEED_SHAPE, "initializer_range": SEED_INIT_STD,
-                                    "bos_token_id": _BOS_ID, "eos_token_id": _EOS_ID})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        bos_token_id=_BOS_ID, eos_token_id=_EOS_ID)
-    model.save_pretrained(model_dir, max_shard_size=_MAX_SHARD)
-
-
-def seed_gguf(tools: LlamaTools, model_dir: Path, quant: str, *,
-              out: TextIO = sys.stdout) -> Path:
-    """`model_dir` (an HF directory) as a GGUF of type `quant` (QUANT_TYPES), made by llama.cpp's
-    own converter from the cached source (to f16) and llama-quantize; cached beside the
-    model in `<model_dir>-gguf/`. Raises EdgebusError with the tool's output on failure."""
-    if quant not in QUANT_TYPES:
-        raise EdgebusError(f"GGUF type {quant!r}: choose one of {', '.join(QUANT_TYPES)}")
-    gguf_dir = model_dir.with_name(f"{model_dir.name}-gguf")
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    target = gguf_dir / f"{model_dir.name}.{quant}.gguf"
-    if target.is_file():
-        return target
-    f16 = gguf_dir / f"{model_dir.name}.F16.gguf"
-    if not f16.is_file():
-        print(f"converting {model_dir} to {f16} with llama.cpp's convert_hf_to_gguf.py",
-              file=out, flush=True)
-        convert_hf(tools.source, model_dir, f16, log=gguf_dir / "convert.log")
-    print(f"quantizing to {quant}: {target}", file=out, flush=True)
-    _atomic_output(target, lambda tmp: _run(
-        [str(tools.binary("llama-quantize")), str(f16), str(tmp), quant,
-         str(len(os.sched_getaffinity(0)))], gguf_dir / f"quantize-{quant}.log",
-        env=tools.env(), what=f"quantizing {f16.name} to {quant} (llama-quantize)"))
-    return target
+# -- llama.cpp's source and converter ---------------------------------------------------
 
 
 def llama_source(home: Path | None = None, out: TextIO = sys.stdout) -> Path:
@@ -1119,24 +944,6 @@ def convert_hf(source: Path, model_dir: Path, target: Path, *, log: Path,
         [sys.executable, "-m", "edgebus.bench.converter", *pin, str(source), "--",
          str(model_dir), "--outtype", outtype, "--outfile", str(tmp)], log,
         what=f"converting {model_dir} to GGUF (convert_hf_to_gguf.py)"))
-
-
-def seed_gguf_model(tools: LlamaTools, model_dir: Path, quant: str) -> Path:
-    """A model directory the llamacpp engine runs: `model_dir`'s files (config, tokenizer, and
-    the safetensors the planner's profile reads) and its `quant` GGUF (seed_gguf) as
-    model.gguf, all linked, nothing copied."""
-    from edgebus.model_import import GGUF_FILE
-
-    gguf = seed_gguf(tools, model_dir, quant)
-    view = model_dir.with_name(f"{model_dir.name}-{quant}")
-    view.mkdir(exist_ok=True)
-    links = {path.name: path for path in model_dir.iterdir() if path.is_file()}
-    links[GGUF_FILE] = gguf
-    for name, target in links.items():
-        link = view / name
-        if not link.is_symlink():
-            link.symlink_to(target)
-    return view
 
 
 def _atomic_output(target: Path, make: Callable[[Path], None]) -> None:

@@ -690,9 +690,10 @@ def _seed_shape(result: BenchResult) -> str:
                          ms(stats.ttft_s), ""])
     return ("## The seed's model shape: DeepSeek-Coder-1.3B\n\n"
             "Random weights of DeepSeek-Coder-1.3B's shape (hidden 2048, 24 layers, FFN 5504, "
-            "vocabulary 32256; speed does not depend on the values), made by the bench "
-            f"(`{seed.model}`), and llama.cpp on GGUFs of the same shape made with llama.cpp's "
-            f"own converter and quantizer. The seed's headline metric: a {seed.tokens}-token "
+            "vocabulary 32256; speed does not depend on the values), written as GGUF blocks "
+            f"by tools/random_gguf.py (`{seed.model}`); the torch and onnxruntime stages run "
+            "its Q8_0 file imported to fp32 (`edgebus model import-gguf`), llama.cpp each "
+            f"GGUF type as written. The seed's headline metric: a {seed.tokens}-token "
             f"completion of a {seed.prompt_tokens}-token code prompt, one request, seconds "
             "from send to the last token. edgebus: 3 stages over Mosquitto on this machine, "
             f"{seed.stage_threads} thread(s) each, as `edgebus up` shares out the cores.\n\n"

@@ -27,7 +27,15 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from broker.mosquitto import MosquittoProcess, mosquitto_version
-from edgebus.bench import baseline, peers, roofline, shared_cores, speculation, stage_steps
+from edgebus.bench import (
+    baseline,
+    peers,
+    roofline,
+    seed_model,
+    shared_cores,
+    speculation,
+    stage_steps,
+)
 from edgebus.bench.gateway import Gateway, Sniffer, broker_hop, closed_loop
 from edgebus.bench.metrics import (
     LoadStats,
@@ -474,23 +482,18 @@ def run_seed_shape(workdir: Path, notes: list[str]
     SEED_COMPLETION_TOKENS-token completion each; its llama.cpp stages' decode steps
     against the whole model's; those stages chained by pipes, single stream; and its
     llama.cpp plant with drafts and without."""
-    model_dir = peers.make_seed_model()
+    model_dir = seed_model.seed_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = prompt_ids(tokenizer, _seed_request("ids"))
     tools = peers.find_tools()
-    gguf_dir = None
-    if not isinstance(tools, peers.Skipped):
-        gguf_dir = peers.seed_gguf_model(tools, model_dir, SEED_STAGE_GGUF)
+    gguf_dir = seed_model.seed_gguf_model(SEED_STAGE_GGUF)
     runs = []
+    name = f"{seed_model.SEED_MODEL_NAME} {SEED_STAGE_GGUF}"
     steps: list[stage_steps.StageSteps] = []
     floor = None
     drafted: list[speculation.SpeculationRun] = []
     for engine, weights in SEED_VARIANTS:
         source = gguf_dir if weights == "gguf" else model_dir
-        if source is None:
-            notes.append(f"the seed's shape on {engine} {weights}: not measured, its GGUF is "
-                         f"made by llama.cpp's tools: {peers.NOT_BUILT}")
-            continue
         with contextlib.ExitStack() as stack:
             mosquitto = stack.enter_context(MosquittoProcess(workdir / "mosquitto-seed"))
             plant = _plant(source, f"bench-seed-{engine}-{weights}", PIPELINE_STAGES,
@@ -499,14 +502,12 @@ def run_seed_shape(workdir: Path, notes: list[str]
             runs.append(asyncio.run(_measure_seed(processes, engine, weights)))
         if weights == "gguf":
             layers = [spec.layers for spec in plant.stages]
-            steps = [stage_steps.measure(source, f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
-                                         layers, threads)
+            steps = [stage_steps.measure(source, name, layers, threads)
                      for threads in sorted({1, len(os.sched_getaffinity(0))})]
-            floor = shared_cores.measure(source, f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
-                                         layers, stage_threads=shared_threads(PIPELINE_STAGES))
+            floor = shared_cores.measure(source, name, layers,
+                                         stage_threads=shared_threads(PIPELINE_STAGES))
             drafted, _ = speculation.measure(
-                f"{peers.SEED_MODEL_NAME} {SEED_STAGE_GGUF}",
-                functools.partial(_seed_plant, source), workdir / "speculation-seed",
+                name, functools.partial(_seed_plant, source), workdir / "speculation-seed",
                 tokenizer, source / GGUF_FILE, threads=len(os.sched_getaffinity(0)),
                 load=False, notes=notes)
     cores = len(os.sched_getaffinity(0))
@@ -516,7 +517,7 @@ def run_seed_shape(workdir: Path, notes: list[str]
             return tools
         try:
             return peers.measure_single(
-                tools, peers.seed_gguf(tools, model_dir, quant), ids,
+                tools, seed_model.seed_gguf(quant), ids,
                 tokens=SEED_COMPLETION_TOKENS, runs=1, threads=threads,
                 log_dir=workdir / "peers-seed")
         except EdgebusError as exc:
@@ -525,7 +526,7 @@ def run_seed_shape(workdir: Path, notes: list[str]
     llama = {quant: llama_cpp(quant, cores) for quant in SEED_GGUF_TYPES}
     threads = shared_threads(PIPELINE_STAGES)
     alike = llama_cpp(SEED_STAGE_GGUF, threads) if threads < cores else None
-    return SeedShape(model=peers.SEED_MODEL_NAME, prompt_tokens=len(ids),
+    return SeedShape(model=seed_model.SEED_MODEL_NAME, prompt_tokens=len(ids),
                      tokens=SEED_COMPLETION_TOKENS, runs=runs, llama_cpp=llama,
                      stage_gguf=SEED_STAGE_GGUF, stage_threads=threads,
                      llama_cpp_stage_threads=alike), steps, floor, drafted

@@ -22,21 +22,36 @@ a GGUF in a directory the agents cannot write (a package's, or one the
 systemd units keep read-only), and the digest in the name keeps the files of
 different models apart. A file is written under a temporary name and renamed
 into place, so a crash never leaves a half-cut file that looks usable.
+
+A cut streams: the header is walked without decoding the vocabulary
+(gguf_model.layout), keys the stage does not change are copied as bytes, and
+tensor bytes go from the source to the stage file in COPY_CHUNK pieces, by the
+kernel where it can (copy_file_range). Nothing maps the model into the
+agent's memory, free disk space is checked before writing, and a long cut logs
+its progress every PROGRESS_S seconds. The file is byte for byte what gguf-py's
+writer would write from the same tensors (tests/test_gguf_model.py).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
+import math
+import mmap
 import os
 import re
+import shutil
+import struct
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import gguf
 
-from edgebus.errors import EngineError
+from edgebus.errors import CheckpointError, EngineError
 from edgebus.model_import import edgebus_home
 from node_agent import gguf_model
 
@@ -52,6 +67,14 @@ RANGE_KEY = "edgebus.layer_range"
 # read is no faster, and a 1.3B model is hashed in about a second.
 _HASH_CHUNK = 8 * 2**20
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.*)$")
+# Tensor bytes copied per call: bounds what a cut holds in memory where the kernel cannot copy
+# (one buffer of this size) and how often progress is counted; past a few MiB a larger copy
+# is no faster.
+COPY_CHUNK = 16 * 2**20
+# Seconds between progress lines on a long cut (minutes for a 9 GB model on an SD card).
+PROGRESS_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 def stage_file(source: Path, first: int, end: int, *, library_version: str,
@@ -74,7 +97,8 @@ def stage_file(source: Path, first: int, end: int, *, library_version: str,
     cache.mkdir(parents=True, exist_ok=True)
     staging = cache / f".{name}.{uuid.uuid4().hex}.tmp"
     try:
-        _cut(source, staging, first, end, role)
+        _cut(source, staging, first, end, role,
+             what=f"layers [{first}, {end}) of {source.name} into {target}")
         os.replace(staging, target)
     finally:
         staging.unlink(missing_ok=True)
@@ -85,14 +109,6 @@ def _role(first: int, end: int, layers: int) -> str:
     if first == 0:
         return "whole" if end == layers else "first"
     return "last" if end == layers else "middle"
-
-
-def _reader(path: Path) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise EngineError(f"cannot read {path} as a GGUF file ({exc}): is it a complete "
-                          "GGUF model?") from exc
 
 
 def _digest(path: Path, cache: Path) -> str:
@@ -135,47 +151,208 @@ def _stage_value(value: Any, name: str, arch: str, first: int, end: int, layers:
     return value
 
 
-def _cut(source: Path, dest: Path, first: int, end: int, role: str) -> None:
-    reader = _reader(source)
-    arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
+         chunk: int = COPY_CHUNK, what: str = "") -> None:
+    """Write the stage file: the source's header with what the stage changes (its layer
+    count, per-layer values, tensor infos; a middle stage's vocabulary), every other key's
+    bytes as they are, then each kept tensor's bytes copied from `source` `chunk` bytes at a
+    time (copy_file_range, else through one buffer): memory holds the header and one chunk,
+    however large the model."""
+    try:
+        src = gguf_model.layout(source)
+    except CheckpointError as exc:
+        raise EngineError(str(exc)) from exc
+    fields = {entry.key: entry for entry in src.entries}
+    arch = str(fields[gguf.Keys.General.ARCHITECTURE].value)
     middle = role == "middle"
-    layers = int(reader.fields[f"{arch}.block_count"].contents())
-    writer = gguf.GGUFWriter(str(dest), arch=arch, endianess=reader.endianess)
-    for field in reader.fields.values():
-        name = field.name
-        if name == gguf.Keys.General.ARCHITECTURE or name.startswith("GGUF."):
-            continue  # the writer adds these itself
-        if middle and (name.startswith("tokenizer.") or name == f"{arch}.vocab_size"):
-            continue
-        value = _stage_value(field.contents(), name, arch, first, end, layers)
-        kind = field.types[0]
-        writer.add_key_value(name, value, kind,
-                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY
-                             else None)
-    if middle:
-        writer.add_key_value("tokenizer.ggml.model", "none", gguf.GGUFValueType.STRING)
-        writer.add_key_value(f"{arch}.vocab_size", VOCAB_KEEP, gguf.GGUFValueType.UINT32)
-    writer.add_key_value(RANGE_KEY, [first, end], gguf.GGUFValueType.ARRAY,
-                         sub_type=gguf.GGUFValueType.UINT32)
-    kept = []
-    for tensor in reader.tensors:
-        data, name = tensor.data, tensor.name
-        block = _BLOCK.match(name)
-        if block:
-            layer = int(block.group(1))
-            if not first <= layer < end:
+    layers = int(fields[f"{arch}.block_count"].value)
+    header = _Encoder(src.order)
+    with source.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        entries: list[bytes] = []
+        for entry in src.entries:
+            name = entry.key
+            if middle and (name.startswith("tokenizer.") or name == f"{arch}.vocab_size"):
                 continue
-            name = f"blk.{layer - first}.{block.group(2)}"
+            value = _stage_value(entry.value, name, arch, first, end, layers)
+            if value == entry.value:
+                entries.append(data[entry.start:entry.end])  # as shipped, not re-encoded
+            else:
+                item = (struct.unpack_from(src.order + "I", data,
+                                           entry.start + 8 + len(name.encode()) + 4)[0]
+                        if entry.kind == gguf.GGUFValueType.ARRAY else None)
+                entries.append(header.entry(name, entry.kind, value, item))
+    if middle:
+        entries.append(header.entry("tokenizer.ggml.model", gguf.GGUFValueType.STRING, "none"))
+        entries.append(header.entry(f"{arch}.vocab_size", gguf.GGUFValueType.UINT32,
+                                    VOCAB_KEEP))
+    q_lora = gguf.Keys.Attention.Q_LORA_RANK.format(arch=arch)
+    if arch in _LITE_BY_LAYER_COUNT and q_lora not in fields:
+        # llama.cpp takes a deepseek2 file without q_lora_rank for a "lite" model (a full-rank
+        # query) by its layer count alone (27 or 26): a stage of DeepSeek-V2-Lite has fewer
+        # layers and says so outright, where 0 means what the absent key meant.
+        entries.append(header.entry(q_lora, gguf.GGUFValueType.UINT32, 0))
+    entries.append(header.entry(RANGE_KEY, gguf.GGUFValueType.ARRAY, [first, end],
+                                gguf.GGUFValueType.UINT32))
+    kept: list[tuple[int, int]] = []  # (offset in source, bytes) of each tensor written
+    infos: list[bytes] = []
+    offset = 0
+    for tensor in src.tensors:
+        name, dims = tensor.name, tensor.dims
+        block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.kind]
+        size = math.prod(dims) // block * block_bytes
+        layer = _BLOCK.match(name)
+        if layer:
+            index = int(layer.group(1))
+            if not first <= index < end:
+                continue
+            name = f"blk.{index - first}.{layer.group(2)}"
         elif role == "first" and name == "output.weight":
             continue  # the first stage stops before the LM head
         elif middle and name in ("token_embd.weight", "output.weight"):
-            data = data[:VOCAB_KEEP]  # rows are numpy's outermost axis
-        kept.append((name, data, tensor.tensor_type))
-    for name, data, quant in kept:
-        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, quant)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _, data, _ in kept:
-        writer.write_tensor_data(data)
-    writer.close()
+            # The first rows (GGUF's last axis, stored first).
+            size = size // dims[-1] * VOCAB_KEEP
+            dims = (*dims[:-1], VOCAB_KEEP)
+        infos.append(header.tensor_info(name, dims, tensor.kind, offset))
+        kept.append((src.data_start + tensor.offset, size))
+        offset += size + -size % src.alignment
+    head = (header.start(len(infos), len(entries)) + b"".join(entries) + b"".join(infos))
+    _check_free_space(dest.parent, len(head) + src.alignment + offset, what)
+    progress = _Progress(what, offset)
+    with source.open("rb") as src_file, dest.open("wb") as out:
+        copy = _Copier(src_file.fileno(), out.fileno(), chunk)
+        copy.write(head)
+        for start, size in kept:
+            copy.padding(src.alignment)
+            copy.range(start, size, progress)
+        copy.padding(src.alignment)
+    progress.done()
+
+
+class _Encoder:
+    """GGUF header items in a byte order, as gguf-py's writer encodes them."""
+
+    def __init__(self, order: str) -> None:
+        self.order = order
+
+    def start(self, tensors: int, entries: int) -> bytes:
+        return _MAGIC + struct.pack(self.order + "IQQ", _VERSION, tensors, entries)
+
+    def entry(self, key: str, kind: gguf.GGUFValueType, value: Any,
+              item: int | None = None) -> bytes:
+        return self._string(key) + struct.pack(self.order + "I", kind) + self._value(
+            kind, value, item)
+
+    def tensor_info(self, name: str, dims: tuple[int, ...], kind: gguf.GGMLQuantizationType,
+                    offset: int) -> bytes:
+        return (self._string(name) + struct.pack(self.order + "I", len(dims))
+                + struct.pack(self.order + "Q" * len(dims), *dims)
+                + struct.pack(self.order + "IQ", kind, offset))
+
+    def _string(self, text: str) -> bytes:
+        raw = text.encode()
+        return struct.pack(self.order + "Q", len(raw)) + raw
+
+    def _value(self, kind: int, value: Any, item: int | None) -> bytes:
+        if kind == gguf.GGUFValueType.STRING:
+            return self._string(value)
+        if kind == gguf.GGUFValueType.ARRAY:
+            assert item is not None
+            return struct.pack(self.order + "IQ", item, len(value)) + b"".join(
+                self._value(item, v, None) for v in value)
+        return struct.pack(self.order + gguf_model.SCALARS[gguf.GGUFValueType(kind)], value)
+
+
+_MAGIC = b"GGUF"
+# The GGUF version written, as gguf-py's writer writes it.
+_VERSION = 3
+
+
+# Architectures whose "lite" variant llama.cpp recognises by layer count (see _cut).
+_LITE_BY_LAYER_COUNT = ("deepseek2",)
+
+
+def _check_free_space(folder: Path, needed: int, what: str) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise EngineError(f"{what or 'a stage file'} needs {needed / 2**20:,.0f} MiB in "
+                          f"{folder}, which has {free / 2**20:,.0f} MiB free: free space "
+                          "there, or set EDGEBUS_HOME to a disk that has it")
+
+
+class _Copier:
+    """Bytes of one file appended to another in bounded chunks: the kernel copies them
+    (copy_file_range) where it can, else they pass through one reused buffer."""
+
+    def __init__(self, src: int, dst: int, chunk: int) -> None:
+        self.src, self.dst, self.chunk = src, dst, chunk
+        self.written = os.lseek(dst, 0, os.SEEK_CUR)
+        self._in_kernel = hasattr(os, "copy_file_range")
+        self._buffer: bytearray | None = None
+
+    def write(self, data: bytes) -> None:
+        self._write(data)
+
+    def padding(self, alignment: int) -> None:
+        """Zeros up to the next multiple of `alignment`, where GGUF starts each tensor."""
+        self._write(bytes(-self.written % alignment))
+
+    def range(self, offset: int, size: int, progress: _Progress) -> None:
+        end = offset + size
+        while offset < end:
+            moved = self._copy(offset, min(self.chunk, end - offset))
+            if not moved:
+                raise EngineError(f"the source GGUF ended {offset} bytes in, before its "
+                                  "tensors did: is the file complete?")
+            offset += moved
+            progress.add(moved)
+
+    def _copy(self, offset: int, size: int) -> int:
+        if self._in_kernel:
+            try:
+                moved = os.copy_file_range(self.src, self.dst, size, offset)
+            except OSError as exc:
+                # Not between these files (another file system, an old kernel): read instead.
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                self._in_kernel = False
+            else:
+                self.written += moved
+                return moved
+        if self._buffer is None:
+            self._buffer = bytearray(self.chunk)
+        view = memoryview(self._buffer)[:size]
+        got = os.preadv(self.src, [view], offset)
+        self._write(view[:got])
+        return got
+
+    def _write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        self.written += len(view)
+        while view:
+            view = view[os.write(self.dst, view):]
+
+
+# copy_file_range's errors that mean "not between these two files", not a failed copy.
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+class _Progress:
+    """Log lines on a long cut: the stage agent's log, which `edgebus up` shows."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.copied = what or "a stage file", total, 0
+        self.started = self._last = time.monotonic()
+
+    def add(self, size: int) -> None:
+        self.copied += size
+        now = time.monotonic()
+        if now - self._last >= PROGRESS_S:
+            self._last = now
+            log.info("cutting %s: %.0f of %.0f MiB (%.0f %%), %.0f s", self.what,
+                     self.copied / 2**20, self.total / 2**20,
+                     100 * self.copied / max(self.total, 1), now - self.started)
+
+    def done(self) -> None:
+        seconds = time.monotonic() - self.started
+        if seconds >= PROGRESS_S:
+            log.info("cut %s: %.0f MiB in %.0f s", self.what, self.total / 2**20, seconds)
