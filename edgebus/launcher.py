@@ -85,11 +85,16 @@ RESTART_MAX_DELAY_S = 30.0
 RESTART_LIMIT = 5
 RESTART_WINDOW_S = 60.0
 
-# libgomp's spin, in rounds, for stages that have more threads than the box has cores: a
-# stage that has ended its step keeps its OpenMP threads spinning (300,000 rounds by default)
-# on cores the next stage needs. 3 stages of 2 threads on 2 cores, the 1.3B shape: their
-# steps summed 70 ms, and 45-49 ms with this (docs/architecture.md#a-stage-of-several-threads).
-SHARED_CORES_SPINCOUNT = "10000"
+# libgomp's spin, in rounds, before an OpenMP thread that waits goes to sleep (its default,
+# 300,000, is milliseconds). llama.cpp's threads wait microseconds between the ops of a
+# step and milliseconds between a stage's frames: at 10,000 they still spin across the
+# first and sleep through the second, leaving the cores to the stages, broker and
+# coordinator that share the box. Every stage starts with it, unless the environment sets
+# it. Measured on 2 cores (AMD EPYC), SmolLM2 Q4_1, 3 stages of 2 threads, single stream,
+# medians of alternating runs under load 13-16: 10.6 tok/s at 10,000, 8.1 at 300,000, 9.0 at
+# 1,000; 1.3B shape, quiet box: steps summed 70 ms at 300,000, 45-49 ms at 10,000
+# (docs/architecture.md#stages-that-sleep-while-they-wait).
+STAGE_SPINCOUNT = "10000"
 
 # Forwarded child lines are written whole, one at a time, so they never interleave.
 _OUTPUT_LOCK = threading.Lock()
@@ -170,7 +175,9 @@ class PlantProcesses:
         # Every agent runs on this one box, so stages that do not set their
         # threads share the cores: oversubscribed, they wait on each other's
         # spinning OpenMP threads (measured on 2 cores, 3 stages: 150-280 ms
-        # per token with all cores each, ~70 ms with one each).
+        # per token with all cores each, ~70 ms with one each). With STAGE_SPINCOUNT
+        # two threads each still lose to one each (SmolLM2: 10.6 against 14.5 tok/s
+        # under load, 45.6 against 52.5 on a quiet box).
         # And they keep as many request groups in flight as stages can compute
         # at once: one per core, not one per stage (measured, 3 stages on 2
         # cores, 16 requests: 1 group 62-65 tok/s, 2 groups 71-94, 3 groups
@@ -182,16 +189,8 @@ class PlantProcesses:
                               [*command, "node", str(plant_path), "--id", stage.node,
                                "--threads", str(stage.threads or shared)])
                   for stage in plant.stages]
-        threads = [stage.nodes[0].threads or int(shared) for stage in plant.pipeline]
-        # What `edgebus up` says at start about how it runs the plant on this box.
-        self.notes: list[str] = []
-        if max(threads) > 1 and sum(threads) > cores() and not cpus:
-            self.notes.append(f"the stages' {sum(threads)} threads outnumber this box's "
-                              f"{cores()} cores: they start with GOMP_SPINCOUNT="
-                              f"{SHARED_CORES_SPINCOUNT}, so that a stage between steps leaves "
-                              "the cores to the next")
-            for child in stages:
-                child.env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
+        for child in stages:
+            child.env["GOMP_SPINCOUNT"] = STAGE_SPINCOUNT
         children += stages
         children.append(self._child(plant.coordinator.id, "coordinator",
                                     [*command, "coordinator", str(plant_path), *groups]))
@@ -587,8 +586,6 @@ def _say(text: str, *, error: bool = False) -> None:
 async def _serve(plant: PlantProcesses, stop: asyncio.Event) -> int:
     started = time.monotonic()
     plant.start()
-    for note in plant.notes:
-        _say(note)
     _say(f"started {', '.join(f'{n} (pid {p})' for n, p in plant.pids.items())}; "
          f"waiting for {len(plant.agents)} agents to load and come online")
     deadline = started + READY_TIMEOUT_S

@@ -491,9 +491,10 @@ def test_write_report_without_matplotlib_still_writes_the_markdown(
     assert "Skipped: matplotlib is not installed" in text
 
 
-def test_a_bench_rerun_keeps_the_rehearsal_sections() -> None:
+def test_a_bench_rerun_keeps_the_sections_other_runs_made() -> None:
     previous = ("# Benchmarks\n\n## Targets\n\nold\n\n## Rehearsal: planned against equal split\n\n"
-                "| a |\n\n### detail\n\ntext\n\n## Plot\n\nold plot\n\n## Slow links\n\nlinks\n")
+                "| a |\n\n### detail\n\ntext\n\n## Plot\n\nold plot\n\n## Slow links\n\nlinks\n"
+                "\n## Stage threads and libgomp's spin\n\nspin\n")
     assert report.kept_sections(previous) == [
         "## Rehearsal: planned against equal split\n\n| a |\n\n### detail\n\ntext",
-        "## Slow links\n\nlinks"]
+        "## Slow links\n\nlinks", "## Stage threads and libgomp's spin\n\nspin"]

@@ -32,12 +32,12 @@ from edgebus.errors import EdgebusError
 from edgebus.launcher import (
     RESTART_LIMIT,
     RESTART_MAX_DELAY_S,
-    SHARED_CORES_SPINCOUNT,
+    STAGE_SPINCOUNT,
     STOP_GRACE_S,
     PlantProcesses,
 )
 from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
-from edgebus.processes import LOOPBACK, cores
+from edgebus.processes import LOOPBACK
 from plant_config import Plant, load_plant, make_plant, write_plant
 
 # Two stages keep the plant at four processes (broker, stages, coordinator),
@@ -217,10 +217,6 @@ async def watch_statuses(plant: Plant, timeout: float = READY_S) -> AsyncIterato
 async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama_gguf: Path,
                                                       tmp_path: Path) -> None:
     plant_path, plant = plant_file(tiny_llama_gguf, tmp_path)
-    # Every stage asks for all of the box's cores (2 at least): more threads than cores.
-    plant = plant.model_copy(update={"stages": [
-        s.model_copy(update={"threads": max(2, cores())}) for s in plant.stages]})
-    write_plant(plant, plant_path)
     agents = agent_ids(plant)
     with edgebus_up(plant_path, tmp_path) as up:
         async with watch_statuses(plant) as watch:
@@ -228,9 +224,9 @@ async def test_up_serves_then_stops_cleanly_on_sigterm(tiny_llama_gguf: Path,
             children = children_of(up.pid)
             assert len(children) == len(agents) + 1  # + the embedded broker
             assert {online[a].pid for a in agents} < set(children)
-            # Their OpenMP threads stop spinning soon after a step, on cores they share.
+            # The stages' OpenMP threads sleep soon after a step, on cores they share.
             spin = {a: environment(online[a].pid).get("GOMP_SPINCOUNT") for a in agents}
-            assert spin == {**{s.node: SHARED_CORES_SPINCOUNT for s in plant.stages},
+            assert spin == {**{s.node: STAGE_SPINCOUNT for s in plant.stages},
                             plant.coordinator.id: None}
 
             ask = await asyncio.create_subprocess_exec(

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from edgebus.cli import build_parser
+from edgebus.launcher import STAGE_SPINCOUNT
 
 UNIT_DIR = Path(__file__).resolve().parent.parent / "systemd"
 UNITS = sorted(UNIT_DIR.glob("*.service"))
@@ -98,3 +99,8 @@ def test_agents_keep_the_model_cache_in_their_state_directory() -> None:
         settings = service_settings(UNIT_DIR / name)
         assert settings["StateDirectory"] == "edgebus"
         assert "EDGEBUS_HOME=%S/edgebus" in settings["Environment"].split()
+
+
+def test_a_stage_unit_spins_as_edgebus_up_starts_a_stage() -> None:
+    environment = service_settings(UNIT_DIR / "edgebus-node@.service")["Environment"].split()
+    assert f"GOMP_SPINCOUNT={STAGE_SPINCOUNT}" in environment

@@ -843,15 +843,16 @@ def write_plot(result: BenchResult, path: Path) -> bool:
     return True
 
 
-# Sections of the report that `edgebus rehearse` runs made (root, namespaces,
-# minutes each), not the bench: a bench rerun keeps them as they are.
-REHEARSAL_HEADINGS = ("## Rehearsal", "## Slow links")
+# Sections of the report that runs other than the bench's made: `edgebus rehearse`
+# (root, namespaces, minutes each) and benchmarks/stage_threads.py (a plant per variant,
+# all up at once). A bench rerun keeps them as they are.
+KEPT_HEADINGS = ("## Rehearsal", "## Slow links", "## Stage threads")
 
 
 def kept_sections(previous: str) -> list[str]:
-    """The rehearsal sections of a previous report, each up to the next `## ` heading."""
+    """The kept sections of a previous report, each up to the next `## ` heading."""
     parts = re.split(r"(?m)^(?=## )", previous)
-    return [part.rstrip("\n") for part in parts if part.startswith(REHEARSAL_HEADINGS)]
+    return [part.rstrip("\n") for part in parts if part.startswith(KEPT_HEADINGS)]
 
 
 def write_report(result: BenchResult) -> tuple[str, Path | None]:
