@@ -191,32 +191,35 @@ def _measured(m: Measurement) -> dict[str, Any]:
 
 
 async def _plant_phases(rehearsal: Rehearsal, tokens: int, concurrency: int,
-                        started: float) -> dict[str, Any]:
+                        started: float, result: dict[str, Any]) -> None:
+    """Into `result` as each phase ends, so a later phase's failure keeps the earlier ones."""
     since = time.time()
     rehearsal.start()
     async with Client(rehearsal.plant) as client:
         await wait_online(rehearsal, client, since=since, timeout=FIRST_START_TIMEOUT_S)
-        first_start = time.monotonic() - started
-        say(f"plant online after {first_start:.0f} s")
+        result["first_start_s"] = time.monotonic() - started
+        say(f"plant online after {result['first_start_s']:.0f} s")
         warm = await measure(rehearsal, client, Workload(1, WARMUP_TOKENS, PROMPT), "w-")
+        result["warmup"] = _measured(warm)
         single = await measure(rehearsal, client, Workload(1, tokens, PROMPT), "s-")
+        result["single"] = _measured(single)
         say(f"plant, one request: {single.decode_tok_s:.2f} tok/s")
         many = await measure(rehearsal, client, Workload(concurrency, tokens, PROMPT), "c-")
+        result["concurrent"] = _measured(many)
         say(f"plant, {concurrency} requests: {many.decode_tok_s:.2f} tok/s")
-        return {"first_start_s": first_start, "warmup": _measured(warm),
-                "single": _measured(single), "concurrent": _measured(many),
-                **memory_report(rehearsal)}
+        result.update(memory_report(rehearsal))
 
 
 def run_plant(plant: Plant, options: Options, workdir: Path, tokens: int,
               concurrency: int) -> dict[str, Any]:
     cold(plant.model)
     started = time.monotonic()
+    result: dict[str, Any] = {}
     with Rehearsal(plant, workdir, options, progress=say) as rehearsal:
         try:
-            result = asyncio.run(_plant_phases(rehearsal, tokens, concurrency, started))
+            asyncio.run(_plant_phases(rehearsal, tokens, concurrency, started, result))
         except EdgebusError as exc:
-            return _failure(rehearsal, exc)
+            result.update(_failure(rehearsal, exc))
     result["shares"] = stage_shares(plant)
     result["layers"] = {spec.node: list(spec.layers) for spec in plant.stages}
     return result
@@ -227,12 +230,13 @@ def run_one_box(plant: Plant, options: Options, workdir: Path, box: str) -> dict
     alone, alone_options = one_box_variant(plant, box, options)
     cold(plant.model)
     started = time.monotonic()
+    result: dict[str, Any] = {"box": box}
     with Rehearsal(alone, workdir, alone_options, progress=say) as rehearsal:
         try:
-            result = asyncio.run(_plant_phases(rehearsal, WARMUP_TOKENS, 1, started))
+            asyncio.run(_plant_phases(rehearsal, WARMUP_TOKENS, 1, started, result))
         except EdgebusError as exc:
-            return {"box": box, **_failure(rehearsal, exc)}
-    return {"box": box, **result}
+            result.update(_failure(rehearsal, exc))
+    return result
 
 
 # -- 2. llama.cpp RPC ----------------------------------------------------------------------
