@@ -359,8 +359,8 @@ def dllama_prompt_tokens(prompt: str, vocabulary: set[bytes], add_bos: bool) -> 
         pieces[index:index + 2] = [pieces[index] + pieces[index + 1]]
 
 
-_EVAL = re.compile(r"Eval\s+(\d+) ms Sync\s+(\d+) ms")
-_PRED = re.compile(r"Pred\s+(\d+) ms Sync\s+(\d+) ms \| Sent\s+(\d+) kB Recv\s+(\d+) kB")
+_EVAL = re.compile(r"Eval\s*(\d+) ms Sync\s*(\d+) ms")
+_PRED = re.compile(r"Pred\s*(\d+) ms Sync\s*(\d+) ms \| Sent\s*(\d+) kB Recv\s*(\d+) kB")
 
 
 def parse_dllama(log: str) -> dict[str, Any]:
@@ -469,6 +469,8 @@ def render(results: dict[str, Any]) -> str:
              f"same CPU quotas and memory limits, each started from a cold page cache. "
              f"{results['tokens']} generated tokens per request (an 8B decode on these "
              "quotas is about a token a second, so generations are short).", ""]
+    if results.get("note"):  # how the results were put together, where not by one run
+        lines += [results["note"], ""]
     boxes = plant.get("boxes") or rpc.get("boxes") or {}
     lines += ["Boxes: " + ", ".join(f"{box} {info['cores']:.2f} cores, "
                                     f"{info['limit_mib']:.0f} MiB" for box, info in boxes.items())
