@@ -467,8 +467,8 @@ def render(results: dict[str, Any]) -> str:
              f"{m['load_before']:.1f} at the start, {m.get('load_after', 0):.1f} at the end; "
              f"{m['date']}). One run of `{results['command']}`; every system in turn on the "
              f"same CPU quotas and memory limits, each started from a cold page cache. "
-             f"{results['tokens']} generated tokens per request (an 8B decode on these "
-             "quotas is about a token a second, so generations are short).", ""]
+             f"{results['tokens']} generated tokens per request, kept short because an 8B "
+             "decode on fractions of two shared cores takes seconds a token.", ""]
     if results.get("note"):  # how the results were put together, where not by one run
         lines += [results["note"], ""]
     boxes = plant.get("boxes") or rpc.get("boxes") or {}
@@ -516,7 +516,7 @@ def _prompts(results: dict[str, Any]) -> str:
     root = dl.get("root_memory_mb")
     share = results.get("dllama_share", {})
     outcome = ("answered" if share and not share.get("error") else
-               "killed or failed, below" if share else "not run")
+               "failed (below)" if share else "was not run")
     return (f"The prompt is one plant question: {results.get('prompt_tokens', '-')} tokens with "
             f"the GGUF's vocabulary (plant, RPC), {dl.get('prompt_tokens', '-')} with "
             "tools/dllama_model.py's (distributed-llama), so TTFTs differ by more than "
