@@ -191,32 +191,35 @@ def _measured(m: Measurement) -> dict[str, Any]:
 
 
 async def _plant_phases(rehearsal: Rehearsal, tokens: int, concurrency: int,
-                        started: float) -> dict[str, Any]:
+                        started: float, result: dict[str, Any]) -> None:
+    """Into `result` as each phase ends, so a later phase's failure keeps the earlier ones."""
     since = time.time()
     rehearsal.start()
     async with Client(rehearsal.plant) as client:
         await wait_online(rehearsal, client, since=since, timeout=FIRST_START_TIMEOUT_S)
-        first_start = time.monotonic() - started
-        say(f"plant online after {first_start:.0f} s")
+        result["first_start_s"] = time.monotonic() - started
+        say(f"plant online after {result['first_start_s']:.0f} s")
         warm = await measure(rehearsal, client, Workload(1, WARMUP_TOKENS, PROMPT), "w-")
+        result["warmup"] = _measured(warm)
         single = await measure(rehearsal, client, Workload(1, tokens, PROMPT), "s-")
+        result["single"] = _measured(single)
         say(f"plant, one request: {single.decode_tok_s:.2f} tok/s")
         many = await measure(rehearsal, client, Workload(concurrency, tokens, PROMPT), "c-")
+        result["concurrent"] = _measured(many)
         say(f"plant, {concurrency} requests: {many.decode_tok_s:.2f} tok/s")
-        return {"first_start_s": first_start, "warmup": _measured(warm),
-                "single": _measured(single), "concurrent": _measured(many),
-                **memory_report(rehearsal)}
+        result.update(memory_report(rehearsal))
 
 
 def run_plant(plant: Plant, options: Options, workdir: Path, tokens: int,
               concurrency: int) -> dict[str, Any]:
     cold(plant.model)
     started = time.monotonic()
+    result: dict[str, Any] = {}
     with Rehearsal(plant, workdir, options, progress=say) as rehearsal:
         try:
-            result = asyncio.run(_plant_phases(rehearsal, tokens, concurrency, started))
+            asyncio.run(_plant_phases(rehearsal, tokens, concurrency, started, result))
         except EdgebusError as exc:
-            return _failure(rehearsal, exc)
+            result.update(_failure(rehearsal, exc))
     result["shares"] = stage_shares(plant)
     result["layers"] = {spec.node: list(spec.layers) for spec in plant.stages}
     return result
@@ -227,12 +230,13 @@ def run_one_box(plant: Plant, options: Options, workdir: Path, box: str) -> dict
     alone, alone_options = one_box_variant(plant, box, options)
     cold(plant.model)
     started = time.monotonic()
+    result: dict[str, Any] = {"box": box}
     with Rehearsal(alone, workdir, alone_options, progress=say) as rehearsal:
         try:
-            result = asyncio.run(_plant_phases(rehearsal, WARMUP_TOKENS, 1, started))
+            asyncio.run(_plant_phases(rehearsal, WARMUP_TOKENS, 1, started, result))
         except EdgebusError as exc:
-            return {"box": box, **_failure(rehearsal, exc)}
-    return {"box": box, **result}
+            result.update(_failure(rehearsal, exc))
+    return result
 
 
 # -- 2. llama.cpp RPC ----------------------------------------------------------------------
@@ -355,8 +359,8 @@ def dllama_prompt_tokens(prompt: str, vocabulary: set[bytes], add_bos: bool) -> 
         pieces[index:index + 2] = [pieces[index] + pieces[index + 1]]
 
 
-_EVAL = re.compile(r"Eval\s+(\d+) ms Sync\s+(\d+) ms")
-_PRED = re.compile(r"Pred\s+(\d+) ms Sync\s+(\d+) ms \| Sent\s+(\d+) kB Recv\s+(\d+) kB")
+_EVAL = re.compile(r"Eval\s*(\d+) ms Sync\s*(\d+) ms")
+_PRED = re.compile(r"Pred\s*(\d+) ms Sync\s*(\d+) ms \| Sent\s*(\d+) kB Recv\s*(\d+) kB")
 
 
 def parse_dllama(log: str) -> dict[str, Any]:
@@ -463,8 +467,10 @@ def render(results: dict[str, Any]) -> str:
              f"{m['load_before']:.1f} at the start, {m.get('load_after', 0):.1f} at the end; "
              f"{m['date']}). One run of `{results['command']}`; every system in turn on the "
              f"same CPU quotas and memory limits, each started from a cold page cache. "
-             f"{results['tokens']} generated tokens per request (an 8B decode on these "
-             "quotas is about a token a second, so generations are short).", ""]
+             f"{results['tokens']} generated tokens per request, kept short because an 8B "
+             "decode on fractions of two shared cores takes seconds a token.", ""]
+    if results.get("note"):  # how the results were put together, where not by one run
+        lines += [results["note"], ""]
     boxes = plant.get("boxes") or rpc.get("boxes") or {}
     lines += ["Boxes: " + ", ".join(f"{box} {info['cores']:.2f} cores, "
                                     f"{info['limit_mib']:.0f} MiB" for box, info in boxes.items())
@@ -510,7 +516,7 @@ def _prompts(results: dict[str, Any]) -> str:
     root = dl.get("root_memory_mb")
     share = results.get("dllama_share", {})
     outcome = ("answered" if share and not share.get("error") else
-               "killed or failed, below" if share else "not run")
+               "failed (below)" if share else "was not run")
     return (f"The prompt is one plant question: {results.get('prompt_tokens', '-')} tokens with "
             f"the GGUF's vocabulary (plant, RPC), {dl.get('prompt_tokens', '-')} with "
             "tools/dllama_model.py's (distributed-llama), so TTFTs differ by more than "
