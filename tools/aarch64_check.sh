@@ -202,7 +202,9 @@ install_edgebus() {
     fi
     in_rootfs sh -c "pip install -q /check/cache/wheels/llama_cpp_python-$PIN-*aarch64*.whl"
     local lib
-    lib=$(in_rootfs python -c 'import os, llama_cpp; print(os.path.dirname(llama_cpp.__file__))')/lib
+    # Found, not imported: llama_cpp loads its library at import.
+    lib=$(in_rootfs python -c 'import importlib.util as u
+print(u.find_spec("llama_cpp").submodule_search_locations[0])')/lib
     mkdir -p "$ROOTFS$lib"
     cp "$LIBS"/*.so "$ROOTFS$lib/"
     # As docs/deploy.md tells a Pi, "A box without torch": the base package, with the
