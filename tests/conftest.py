@@ -15,7 +15,7 @@ change the host itself (network namespaces, cgroups) share an xdist group
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import optional
@@ -50,13 +50,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+def pytest_make_collect_report(
+        collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     # As the report is made, before pytest_collectreport: pytest's session counts a
     # collection error there (and stops the run) before a conftest's hook could change it.
-    report: pytest.CollectReport = yield
+    report = yield
     optional.skip_torch_modules(report)
     optional.fail_skipped_modules(report)
-    return report  # type: ignore[return-value]
+    return report
 
 
 @pytest.fixture(scope="session", autouse=True)

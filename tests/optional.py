@@ -58,7 +58,7 @@ def skip_torch_modules(report: pytest.CollectReport) -> None:
     found = _NO_MODULE.search(str(report.longrepr))
     if found and found.group(1) in TORCH_EXTRA_PACKAGES:
         report.outcome = "skipped"
-        report.longrepr = (str(report.fspath), None,
+        report.longrepr = (str(report.fspath), 0,
                            f"Skipped: no module {found.group(1)}: {TORCH_MISSING}")
 
 

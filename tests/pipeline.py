@@ -16,7 +16,7 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optional
@@ -146,8 +146,8 @@ def prompt_ids(model_dir: Path, request: GenerateRequest) -> list[int]:
     """Tokenize like a test author would, straight from transformers; a GGUF file (which
     transformers reads only by converting it) with llama.cpp's reading of its vocabulary,
     which tests/test_gguf_model.py holds to transformers'."""
-    tok: PreTrainedTokenizerBase | GgufTokenizer = (
-        _gguf_tokenizer(model_dir) if is_gguf(model_dir) else tokenizer(model_dir))
+    # Both answer transformers' calls (node_agent/tokenizer.py's TemplatedTokenizer).
+    tok: Any = _gguf_tokenizer(model_dir) if is_gguf(model_dir) else tokenizer(model_dir)
     if request.messages is not None:
         chat = [m.model_dump() for m in request.messages]
         return list(tok.apply_chat_template(chat, add_generation_prompt=True,
