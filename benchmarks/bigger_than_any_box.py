@@ -465,7 +465,7 @@ def render(results: dict[str, Any]) -> str:
              f"{results['model']}, on the plant file's boxes rehearsed on one machine "
              f"({m['cpu']}, {m['cores']} vCPUs shared with other work: load average "
              f"{m['load_before']:.1f} at the start, {m.get('load_after', 0):.1f} at the end; "
-             f"{m['date']}). One run of `{results['command']}`; every system in turn on the "
+             f"{m['date']}). Made by `{results['command']}`; every system in turn on the "
              f"same CPU quotas and memory limits, each started from a cold page cache. "
              f"{results['tokens']} generated tokens per request, kept short because an 8B "
              "decode on fractions of two shared cores takes seconds a token.", ""]
@@ -537,7 +537,7 @@ def _ratios(results: dict[str, Any]) -> list[str]:
     pred = plant.get("predicted", {})
     n = results["concurrency"]
     return [
-        "Ratios, all from this one run:", "",
+        "Ratios, from the numbers above:", "",
         f"- plant single stream against llama.cpp RPC: "
         f"{_ratio(single, rpc.get('single', {}).get('decode_tok_s'))} (target >= 1.0x);",
         f"- plant {n} at once against its own single stream: {_ratio(many, single)} "
