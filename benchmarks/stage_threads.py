@@ -1,4 +1,4 @@
-"""Stage threads and libgomp's spin on one box: the 3-stage SmolLM2 plant against llama.cpp whole.
+"""Stage threads and libgomp's spin on one box: SmolLM2 plants against llama.cpp whole.
 
 Every variant's plant is started at once as `edgebus up` starts it (its own embedded
 broker, its stages' threads, GOMP_SPINCOUNT in their environment); then rounds take turns,
@@ -6,11 +6,12 @@ each in another order, so that every variant sees the same minutes of a shared b
 llama.cpp whole in one process on all the box's cores (llama-cpp-python, a child process,
 libgomp's own spin), then each plant, single stream. Last, 8 concurrent per plant.
 
-    PYTHONPATH=. python benchmarks/stage_threads.py 1 2:300000 2:10000 2:1000
+    PYTHONPATH=. python benchmarks/stage_threads.py 1 2:300000 2:10000 --rounds 3 --loaded-rounds 1
 
 A variant is THREADS[:GOMP_SPINCOUNT]; without a spin count, the launcher's own
-(edgebus.launcher.STAGE_SPINCOUNT). Decode tok/s: tokens after the first over the time
-between them. CPU ms a token: the stages' user + system time over the tokens they made.
+(edgebus.launcher.STAGE_SPINCOUNT). `--stages` splits the model (3 by default). Decode
+tok/s: tokens after the first over the time between them. CPU ms a token: the stages'
+user + system time over the tokens they made.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ def _cpu_s(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _start(variant: str, model_dir: Path, work: Path, stack: contextlib.ExitStack
+def _start(variant: str, stages: int, model_dir: Path, work: Path, stack: contextlib.ExitStack
            ) -> PlantProcesses:
     threads, _, spin = variant.partition(":")
-    plant = _plant(model_dir, f"threads-{threads}-spin-{spin or 'default'}", 3,
+    plant = _plant(model_dir, f"threads-{threads}-spin-{spin or 'default'}", stages,
                    weights="gguf", threads=int(threads))
     path = work / f"{plant.plant_id}.yaml"
     write_plant(plant, path)
@@ -122,6 +123,7 @@ async def _measure(plants: dict[str, PlantProcesses], ids: list[int], rounds: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="+", help="THREADS[:GOMP_SPINCOUNT] of every stage")
+    parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--loaded-rounds", type=int, default=2)
     args = parser.parse_args()
@@ -129,7 +131,8 @@ def main() -> None:
     ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), chat_request("ids", TOKENS))
     with tempfile.TemporaryDirectory(prefix="stage-threads-") as work, \
             contextlib.ExitStack() as stack:
-        plants = {v: _start(v, model_dir, Path(work), stack) for v in args.variants}
+        plants = {v: _start(v, args.stages, model_dir, Path(work), stack)
+                  for v in args.variants}
         results = asyncio.run(_measure(plants, ids, args.rounds, args.loaded_rounds))
     whole = statistics.median(row["decode_tok_s"] for row in results["whole"])
     print(f"medians; llama.cpp whole: {cores()} threads")
