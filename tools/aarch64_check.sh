@@ -125,7 +125,7 @@ cross_build() {
         python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$PIN" \
             -d "$CACHE/sdist"
     fi
-    [[ -f $LIBS/libllama.so ]] && return
+    [[ -f $LIBS/libllama.so ]] && { soname_links; return; }
     local src=$WORK/llama-src build=$WORK/llama-build
     rm -rf "$src" "$build" "$LIBS.part"
     mkdir -p "$src" "$LIBS.part"
@@ -144,6 +144,15 @@ cross_build() {
     patchelf --set-rpath '$ORIGIN' "$LIBS.part"/*.so
     rm -rf "$src" "$build"
     mv "$LIBS.part" "$LIBS"
+    soname_links
+}
+
+soname_links() {  # each library also under the name the others load it by (libggml.so.0)
+    local lib soname
+    for lib in "$LIBS"/*.so; do
+        soname=$(patchelf --print-soname "$lib")
+        [[ -z $soname || -e $LIBS/$soname ]] || ln -s "$(basename "$lib")" "$LIBS/$soname"
+    done
 }
 
 bind() {  # bind SOURCE TARGET-IN-ROOTFS
@@ -188,9 +197,21 @@ END
 }
 
 install_edgebus() {
-    if [[ ${EDGEBUS_ARM_REUSE_INSTALL:-} == 1 && -x $ROOTFS/opt/edgebus/bin/edgebus ]]; then
-        return
+    if [[ ${EDGEBUS_ARM_REUSE_INSTALL:-} != 1 || ! -x $ROOTFS/opt/edgebus/bin/edgebus ]]; then
+        install_packages
     fi
+    # llama-cpp-python's package holds no library of its own: the cross-built ones go into
+    # llama_cpp/lib, where the package and the engine look for them.
+    local lib
+    # Found, not imported: llama_cpp loads its library at import.
+    lib=$(in_rootfs python -c 'import importlib.util as u
+print(u.find_spec("llama_cpp").submodule_search_locations[0])')/lib
+    mkdir -p "$ROOTFS$lib"
+    cp -a "$LIBS"/. "$ROOTFS$lib/"
+    if in_rootfs python -c 'import torch' 2>/dev/null; then die "torch came in"; fi
+}
+
+install_packages() {
     in_rootfs python3 -m venv /opt/edgebus
     # llama-cpp-python's Python half: its build compiles no library here (that would take
     # hours under emulation); the cross-built ones go into llama_cpp/lib, where the
@@ -201,16 +222,9 @@ install_edgebus() {
             "/check/cache/sdist/$(basename "$SDIST")"
     fi
     in_rootfs sh -c "pip install -q /check/cache/wheels/llama_cpp_python-$PIN-*aarch64*.whl"
-    local lib
-    # Found, not imported: llama_cpp loads its library at import.
-    lib=$(in_rootfs python -c 'import importlib.util as u
-print(u.find_spec("llama_cpp").submodule_search_locations[0])')/lib
-    mkdir -p "$ROOTFS$lib"
-    cp "$LIBS"/*.so "$ROOTFS$lib/"
     # As docs/deploy.md tells a Pi, "A box without torch": the base package, with the
     # tools the suite needs on it (no torch either).
     in_rootfs pip install -q "/check/src[test-base]"
-    if in_rootfs python -c 'import torch' 2>/dev/null; then die "torch came in"; fi
 }
 
 torch_free_tests() {
