@@ -91,8 +91,9 @@ RESTART_WINDOW_S = 60.0
 # first and sleep through the second, leaving the cores to the stages, broker and
 # coordinator that share the box. Every stage starts with it, unless the environment sets
 # it. Measured on 2 cores (AMD EPYC), SmolLM2 Q4_1, 3 stages of 2 threads, single stream,
-# medians of alternating runs under load 13-16: 10.6 tok/s at 10,000, 8.1 at 300,000, 9.0 at
-# 1,000; 1.3B shape, quiet box: steps summed 70 ms at 300,000, 45-49 ms at 10,000
+# medians of alternating runs: 10.6 tok/s at 10,000, 8.1 at 300,000, 9.0 at 1,000 under
+# load 13-16; 33.5 at 10,000, 26.5 at 300,000 under load 3 (alike at loads 5-9); 1.3B shape,
+# quiet box: steps summed 70 ms at 300,000, 45-49 ms at 10,000
 # (docs/architecture.md#stages-that-sleep-while-they-wait).
 STAGE_SPINCOUNT = "10000"
 
@@ -176,8 +177,9 @@ class PlantProcesses:
         # threads share the cores: oversubscribed, they wait on each other's
         # spinning OpenMP threads (measured on 2 cores, 3 stages: 150-280 ms
         # per token with all cores each, ~70 ms with one each). With STAGE_SPINCOUNT
-        # two threads each still lose to one each (SmolLM2: 10.6 against 14.5 tok/s
-        # under load, 45.6 against 52.5 on a quiet box).
+        # two threads each still lose to one each, single stream (SmolLM2: 33.5
+        # against 42.4 tok/s at load 3, 10.6 against 14.5 at load 13-16, 45.6 against
+        # 52.5 on a quiet box).
         # And they keep as many request groups in flight as stages can compute
         # at once: one per core, not one per stage (measured, 3 stages on 2
         # cores, 16 requests: 1 group 62-65 tok/s, 2 groups 71-94, 3 groups
