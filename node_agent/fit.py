@@ -29,9 +29,9 @@ from plant_config.schema import Plant, resolve_engine
 from plant_config.stage_memory import (
     COORDINATOR_BYTES,
     EMBEDDED_BROKER_BYTES,
+    HEADROOM_BYTES,
     IDLE_AGENT_BYTES,
     MIB,
-    MMAP_HEADROOM_BYTES,
     context_shape,
 )
 
@@ -80,7 +80,7 @@ def check_plant_fits_here(plant: Plant) -> None:
     services = ((EMBEDDED_BROKER_BYTES if plant.broker.embedded else 0) + COORDINATOR_BYTES
                 + shape.vocabulary_bytes())
     total = (sum(memory.total - memory.headroom for memory in needs.values()) + services
-             + MMAP_HEADROOM_BYTES)
+             + HEADROOM_BYTES)
     free, source = _free_here(0)
     if total > free:
         lines = [f"  {node}: {_mib(memory.total - memory.headroom)} MiB "
@@ -89,7 +89,7 @@ def check_plant_fits_here(plant: Plant) -> None:
             f"this machine cannot hold the plant: its agents need {_mib(total)} MiB and it has "
             f"{_mib(free)} MiB free ({source}):\n" + "\n".join(lines)
             + f"\n  broker and coordinator: {_mib(services)} MiB, headroom "
-            f"{_mib(MMAP_HEADROOM_BYTES)} MiB\n— lower kv_budget_mb or the request limits "
+            f"{_mib(HEADROOM_BYTES)} MiB\n— lower kv_budget_mb or the request limits "
             "(coordinator max_prompt_tokens, max_tokens_limit), cut a smaller GGUF type, or "
             "run the stages on boxes of their own")
 

@@ -31,8 +31,8 @@ from plant_config.schema import Plant, WeightMode
 from plant_config.stage_memory import (
     COORDINATOR_BYTES,
     EMBEDDED_BROKER_BYTES,
+    HEADROOM_BYTES,
     MIB,
-    MMAP_HEADROOM_BYTES,
     MOSQUITTO_BYTES,
     ContextShape,
     LlamaCppShape,
@@ -224,7 +224,7 @@ class Box:
             buffers=(shape.context_bytes(context, vocabulary=vocabulary)
                      + (shape.vocabulary_bytes() if vocabulary else 0)),
             process=costs.baseline_bytes, services=services_bytes,
-            headroom=MMAP_HEADROOM_BYTES,
+            headroom=HEADROOM_BYTES,
             unheld_share=0 if reserved else share)
 
     def need_bytes(self, costs: ModelCosts, layers: LayerRange) -> int:

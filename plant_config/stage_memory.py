@@ -3,8 +3,9 @@ the rehearsal count it before anything loads.
 
 A `weights: gguf` node holds, on its box:
 
-- its stage GGUF, the file's bytes of its layers: mmapped, every page read
-  counts against a cgroup and a box;
+- its stage GGUF, the file's bytes of its layers: read into anonymous memory
+  once (the engine does not map it, so llama.cpp's repacked copy of a block is
+  the only copy), counted against a cgroup and a box;
 - its KV, sequences x padded positions x bytes per position: llama.cpp
   reserves (and zeroes) the whole context at load;
 - llama.cpp's buffers (`LlamaCppShape.context_bytes`): the compute graph's
@@ -14,7 +15,7 @@ A `weights: gguf` node holds, on its box:
 - the agent process, IDLE_AGENT_BYTES: Python, numpy, paho, libllama, measured;
 - the broker and the coordinator where they share its box (MOSQUITTO_BYTES or
   EMBEDDED_BROKER_BYTES, COORDINATOR_BYTES);
-- MMAP_HEADROOM_BYTES, so the box does not evict its own weights.
+- HEADROOM_BYTES, for what the count leaves out.
 
 `ContextShape` is how the engine sizes llama.cpp's context from the plant
 (node_agent/engines/llamacpp/engine.py passes n_ctx = sequences x
@@ -65,14 +66,15 @@ COORDINATOR_BYTES = 72 * MIB
 MOSQUITTO_BYTES = 16 * MIB
 # The embedded broker (amqtt, in Python): 56.9 MiB of RSS at its peak in the same run.
 EMBEDDED_BROKER_BYTES = 64 * MIB
-# Memory a box keeps free beyond what is counted. A box's stage GGUF is mmapped: its
-# pages are file pages, which the kernel reclaims first when a cgroup or the box is full,
-# and then reads again from disk on every forward pass (the 8B shape's stage stepped 4.3x
-# slower than predicted with 1,971 of 2,048 MiB planned, issue 33). What the count leaves
+# Memory a box keeps free beyond what is counted. A stage once mapped its GGUF, whose
+# file pages the kernel reclaims first when a cgroup or the box is full and then reads
+# again on every forward pass (the 8B shape's stage stepped 4.3x slower than predicted
+# with 1,971 of 2,048 MiB planned, issue 33); read into anonymous memory the weights stay,
+# and a box short of memory fails at load, not slowly. What the count leaves
 # out lands there: frames waiting in the inbox (a Llama-3-8B prefill chunk is 2 MiB), the
 # heap growing under load (+9 MiB on a SmolLM2 stage serving 4 requests, same run), the
 # page cache of its logs and of a stage file being cut.
-MMAP_HEADROOM_BYTES = 64 * MIB
+HEADROOM_BYTES = 64 * MIB
 
 
 @dataclass(frozen=True)

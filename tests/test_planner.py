@@ -41,8 +41,8 @@ from plant_config.planner import (
 from plant_config.schema import WeightMode
 from plant_config.stage_memory import (
     COORDINATOR_BYTES,
+    HEADROOM_BYTES,
     IDLE_AGENT_BYTES,
-    MMAP_HEADROOM_BYTES,
     MOSQUITTO_BYTES,
     ContextShape,
     LlamaCppShape,
@@ -475,7 +475,7 @@ def test_a_llamacpp_plan_counts_what_the_box_holds(tmp_path: Path) -> None:
     assert memory.kv == (160 * MIB // share) * share  # whole shares, as llama.cpp reserves
     assert memory.weights == (stop - first) * LLAMA3_8B_Q4_0_LAYER + LLAMA3_8B_Q4_0_VOCAB
     assert memory.services == MOSQUITTO_BYTES + COORDINATOR_BYTES + shape.vocabulary_bytes()
-    assert memory.headroom == MMAP_HEADROOM_BYTES and memory.process == IDLE_AGENT_BYTES
+    assert memory.headroom == HEADROOM_BYTES and memory.process == IDLE_AGENT_BYTES
     assert memory.buffers == (shape.context_bytes(ContextShape(160 * MIB, 1280, 128),
                                                   vocabulary=True)
                               + shape.vocabulary_bytes())
