@@ -58,7 +58,9 @@ def main() -> None:
     shutil.copy(path, inside / path.name)
     here = [sys.executable, "-m", "edgebus"]
     there = [args.in_rootfs, args.arm_python, "-m", "edgebus"]
-    commands = {"coordinator": [*here, "coordinator", str(path)],
+    # `edgebus up` runs the embedded broker as a process of its own; so does this.
+    commands = {"broker": [*here, "broker", str(path)],
+                "coordinator": [*here, "coordinator", str(path)],
                 **{n: [*here, "node", str(path), "--id", n] for n in HOST_STAGES},
                 **{n: [*there, "node", str(path), "--id", n] for n in ARM_STAGES}}
     agents = {}
