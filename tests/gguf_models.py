@@ -14,13 +14,12 @@ families the tool writes at real scale (deepseek2, qwen3moe), in seconds.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import gguf
 import numpy as np
+from dev_tools import dev_tool
 from tiny_models import build_tiny
 
 from edgebus.bench.peers import convert_hf, llama_source
@@ -71,15 +70,7 @@ def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType) -> Pa
 
 def random_gguf_tool() -> ModuleType:
     """tools/random_gguf.py, which lives outside the installed packages."""
-    name = "random_gguf"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return dev_tool("tools/random_gguf.py")
 
 
 # Each family of random_gguf's SHAPES made tiny; what each keeps of its model:

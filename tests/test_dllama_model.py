@@ -7,37 +7,23 @@ checkout with `dllama` built (`make dllama`), and skip elsewhere, CI included.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from dev_tools import dev_tool
 
 from edgebus.processes import LOOPBACK, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 DLLAMA_DIR = os.environ.get("DLLAMA_DIR")
 TOKENS = 8
 
 
-def _module(path: Path) -> ModuleType:
-    name = path.stem
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.mark.skipif(DLLAMA_DIR is None, reason="DLLAMA_DIR names no distributed-llama build")
 def test_distributed_llama_runs_the_written_model_on_a_root_and_a_worker(tmp_path: Path) -> None:
-    writer = _module(ROOT / "tools" / "dllama_model.py")
-    bench = _module(ROOT / "benchmarks" / "bigger_than_any_box.py")
+    writer = dev_tool("tools/dllama_model.py")
+    bench = dev_tool("benchmarks/bigger_than_any_box.py")
     shape = writer.SHAPES["tiny"]
     writer.write_tokenizer(shape, tmp_path / "tokenizer.t")
     writer.write_model(shape, tmp_path / "model.m")
@@ -71,7 +57,7 @@ def test_distributed_llama_runs_the_written_model_on_a_root_and_a_worker(tmp_pat
 
 
 def test_the_model_file_is_as_long_as_its_header_and_tensors(tmp_path: Path) -> None:
-    writer = _module(ROOT / "tools" / "dllama_model.py")
+    writer = dev_tool("tools/dllama_model.py")
     shape = writer.SHAPES["tiny"]
     writer.write_model(shape, tmp_path / "model.m")
     data = (tmp_path / "model.m").read_bytes()
