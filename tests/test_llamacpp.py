@@ -231,6 +231,20 @@ def test_a_llama_cpp_in_llama_cpp_lib_path_is_the_one_the_capture_calls(
     assert mapped and all(path.parent == own.resolve() for path in mapped), mapped
 
 
+def test_a_stage_reads_its_file_and_maps_no_weights(smollm2_gguf: Path) -> None:
+    """Where llama.cpp repacks blocks, a mapped file stays resident beside the repacked copy
+    (docs/architecture.md, "A stage holds its weights once"): no stage maps its file."""
+    version = library.library_version()
+    stage = load_engine(smollm2_gguf, 10, 20, weights="gguf", threads=1, shape=SMALL)
+    try:
+        cut = stage_gguf.stage_file(smollm2_gguf, 10, 20, library_version=version).resolve()
+        mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                  if line.endswith(".gguf")}
+        assert str(cut) not in mapped and str(smollm2_gguf.resolve()) not in mapped, mapped
+    finally:
+        stage.close()
+
+
 def test_a_stage_file_holds_its_layers_only(smollm2_gguf: Path) -> None:
     source = smollm2_gguf
     version = library.library_version()
