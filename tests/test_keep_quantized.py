@@ -226,7 +226,7 @@ def test_every_kept_type_runs_in_an_onnxruntime_stage(tiny_kept: Path) -> None:
     """Q4_K's minimum, Q6_K's 16-weight blocks with zero points, and the rest go into
     MatMulNBits as stored; what it computes is the dequantized weights' product (the
     torch engine's, in fp32), up to the int8 rounding of activations it makes at
-    ACCURACY_LEVEL 4."""
+    onnx_weights.INT8_ACCURACY_LEVEL where the CPU has VNNI."""
     ids = torch.tensor([[1, 70, 71, 72, 73, 74]])
     reference = load_engine(tiny_kept, 0, 2, engine="torch", weights="fp32")
     kept = load_engine(tiny_kept, 0, 2, engine="onnxruntime", weights="int4")

@@ -60,7 +60,7 @@ CACHE_DIR = "edgebus-onnx"
 # Written last into a stage's graph directory: its presence means complete.
 MANIFEST = "manifest.json"
 # Bump when the graphs written here change meaning, so cached ones are rebuilt.
-GRAPH_FORMAT = 6
+GRAPH_FORMAT = 7  # 7: MatMulNBits at the CPU's accuracy_level()
 MODES: tuple[WeightMode, ...] = ("fp32", "int8", "int4")
 _PROVIDERS: dict[Device, list[str]] = {
     "cpu": ["CPUExecutionProvider"],

@@ -5,7 +5,7 @@ transB); it becomes, by the form its weight takes in the mode:
 
 - fp32: `MatMul(x, W^T)`, W^T as a plain initializer.
 - block-quantized (int8, int4, or GGUF blocks kept at import):
-  ONNX Runtime's `MatMulNBits` at ACCURACY_LEVEL, plus, for formats with a
+  ONNX Runtime's `MatMulNBits` at `accuracy_level()`, plus, for formats with a
   float minimum per block (Q4_1, Q4_K), that minimum's share:
   `blocksum(x) @ minimum^T`, where blocksum adds up x over each block
   (node_agent/blockwise.py explains why it is not a zero point).
@@ -36,6 +36,7 @@ from onnx import helper, numpy_helper
 from onnxruntime.capi._pybind_state import quantize_matmul_8bits
 
 from node_agent.blockwise import BlockQuantized, pack_codes
+from node_agent.engines.cpu_flags import host_cpu_flags
 from plant_config.schema import WeightMode
 
 Matrix = npt.NDArray[np.float32] | BlockQuantized
@@ -44,11 +45,20 @@ Matrix = npt.NDArray[np.float32] | BlockQuantized
 # weights more closely and cost a scale (4 bytes) per block: at 32, 1/8 byte
 # per weight over the 4-bit codes, so int4 is 0.156x fp32.
 BLOCK = 32
-# MatMulNBits quantizes activations to int8 per block and multiplies in
-# int32 (AVX-VNNI/AVX512-VNNI, ARM dotprod). Measured here on SmolLM2, one
-# thread, whole model: 74 tok/s at level 4 against ~45 at the default level
-# 0, which dequantizes to fp32 first.
-ACCURACY_LEVEL = 4
+# At level 4 MatMulNBits quantizes activations to int8 per block and multiplies in
+# int32: on SmolLM2, one thread, whole model, 74 tok/s against ~45 at level 0, which
+# dequantizes to fp32 first (Intel Xeon, AVX512-VNNI). A stage must compute a request's row
+# alike whatever else is batched with it; on a CPU without VNNI (AMD EPYC Zen 3, AVX2 only)
+# level 4 does not: three requests batched differed from each alone by 1.7 in logits of 31
+# (tests/test_engines.py), while level 0 held. So level 4 only where VNNI does the product.
+INT8_ACCURACY_LEVEL = 4
+FP32_ACCURACY_LEVEL = 0
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni"})
+
+
+def accuracy_level() -> int:
+    """MatMulNBits' accuracy_level for this CPU (see INT8_ACCURACY_LEVEL)."""
+    return INT8_ACCURACY_LEVEL if host_cpu_flags() & VNNI_FLAGS else FP32_ACCURACY_LEVEL
 _MS_DOMAIN = "com.microsoft"
 
 
@@ -238,7 +248,7 @@ def _product(x: str, y: str, name: str, weight: Matrix,
         inputs.append(f"{name}.zeros")
         added.append(numpy_helper.from_array(zeros, f"{name}.zeros"))
     attrs: dict[str, Any] = {"K": k, "N": n, "bits": weight.bits, "block_size": weight.block,
-                             "accuracy_level": ACCURACY_LEVEL}
+                             "accuracy_level": accuracy_level()}
     if weight.minimums is None:
         return [helper.make_node("MatMulNBits", inputs, [y], domain=_MS_DOMAIN, **attrs)]
     # The minimum's share: each block's sum of x [M, K/block] times minimum^T [K/block, N],

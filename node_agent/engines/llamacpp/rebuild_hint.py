@@ -20,13 +20,12 @@ import platform
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from edgebus.errors import EngineError
+from node_agent.engines.cpu_flags import CPUINFO, cpu_flags
 from node_agent.engines.llamacpp.library import PINNED, library_dir
 
 DOCS = "docs/deploy.md#llamacpp-on-the-box-weights-gguf"
-CPUINFO = Path("/proc/cpuinfo")
 # Loading ggml and reading a few constants takes milliseconds; a loaded box, seconds.
 PROBE_TIMEOUT_S = 30.0
 REINSTALL = ("pip install --force-reinstall --no-cache-dir --no-deps --no-binary "
@@ -100,15 +99,6 @@ def hint(machine: str, features: tuple[Feature, ...], flags: set[str],
                        f"it runs on ({DOCS})")
     return said + (f"Rebuild llama-cpp-python on this box, which builds it for the CPU it runs "
                    f"on: {REINSTALL} ({DOCS})")
-
-
-def cpu_flags(cpuinfo: str) -> set[str]:
-    """The CPU's feature flags: /proc/cpuinfo's `flags` (x86) or `Features` (ARM) line."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
 
 
 @functools.cache
