@@ -130,9 +130,10 @@ class LlamaCppEngine(StageEngine):
         params.n_gpu_layers = 999 if device == "cuda" else 0
         # Read into memory, not mapped (load mode none reads the file): on CPUs where
         # llama.cpp repacks blocks for its kernels (Q4_0, Q4_K, Q8_0 on AVX2 and on ARM's
-        # dotprod), a mapped file stays resident beside its repacked copy. Llama-3-8B's shape in Q4_0 (4.66 GB), whole,
-        # on the 2-core AMD EPYC: 8,299 MiB RSS mapped (3,839 anonymous + 4,459 file),
-        # 4,584 read (docs/architecture.md, "A stage holds its weights once").
+        # dotprod), a mapped file stays resident beside its repacked copy. Llama-3-8B's
+        # shape in Q4_0 (4.66 GB), whole, on the 2-core AMD EPYC: 8,299 MiB RSS mapped
+        # (3,839 anonymous + 4,459 file), 4,584 read (docs/architecture.md, "A stage holds
+        # its weights once").
         params.load_mode = lowlevel.LLAMA_LOAD_MODE_NONE
         self._model = lowlevel.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
