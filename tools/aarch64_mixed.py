@@ -19,11 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aarch64_plant import REQUEST_TIMEOUT_S, REQUESTS, ask_all, compare, wait_online, whole
+from aarch64_plant import REQUESTS, ask_all, compare, plant_file, wait_online, whole
 
 from edgebus.model_import import bundled_gguf
-from edgebus.processes import LOOPBACK, free_port
-from plant_config import make_plant, write_plant
 
 ARM_STAGES = ("stage-1", "stage-2")
 HOST_STAGES = ("stage-0",)
@@ -46,14 +44,8 @@ def main() -> None:
     inside = args.rootfs / shared.relative_to("/")
     inside.mkdir(parents=True)
     model = shared / "model.gguf"
-    plant = make_plant(shutil.copy(bundled_gguf(), model), stages=3, weights="gguf",
-                       plant_id="mixed")
-    plant = plant.model_copy(update={
-        "broker": plant.broker.model_copy(update={"host": LOOPBACK, "port": free_port()}),
-        "coordinator": plant.coordinator.model_copy(
-            update={"request_timeout_s": REQUEST_TIMEOUT_S})})
-    path = shared / "plant.yaml"
-    write_plant(plant, path)
+    shutil.copy(bundled_gguf(), model)
+    plant, path = plant_file(shared, model, plant_id="mixed")
     shutil.copy(model, inside / model.name)
     shutil.copy(path, inside / path.name)
     here = [sys.executable, "-m", "edgebus"]

@@ -56,10 +56,12 @@ REQUEST_TIMEOUT_S = 900.0
 STATUS_POLL_S = 5.0
 
 
-def plant_file(directory: Path) -> tuple[Plant, Path]:
-    """The plant `edgebus init --stages 3` writes for the bundled GGUF, on a free loopback
-    port, with room for emulation's pace."""
-    plant = make_plant(bundled_gguf(), stages=STAGES, weights="gguf", plant_id="aarch64")
+def plant_file(directory: Path, model: Path | None = None,
+               plant_id: str = "aarch64") -> tuple[Plant, Path]:
+    """The plant `edgebus init --stages 3` writes for `model` (the bundled GGUF), on a free
+    loopback port, with room for emulation's pace."""
+    plant = make_plant(model or bundled_gguf(), stages=STAGES, weights="gguf",
+                       plant_id=plant_id)
     plant = plant.model_copy(update={
         "broker": plant.broker.model_copy(update={"host": LOOPBACK, "port": free_port()}),
         "coordinator": plant.coordinator.model_copy(
