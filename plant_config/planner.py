@@ -65,6 +65,12 @@ class PartCost:
         """One request: a prefill chunk and REQUEST_TOKENS decode steps."""
         return self.prefill_ms + REQUEST_TOKENS * self.decode_ms
 
+    def rows_ms(self, rows: float) -> float:
+        """One decode step of `rows` requests: the two profiled batches' line through it
+        (each row adds its activations' share; the weights are read once a step)."""
+        per_row = (self.batch_decode_ms - self.decode_ms) / (BATCH_ROWS - 1)
+        return self.decode_ms + (rows - 1) * per_row
+
 
 @dataclass(frozen=True)
 class MessageCost:
@@ -127,15 +133,15 @@ class ModelCosts:
             total += self.head.request_ms
         return total / speed
 
-    def batch_step_ms(self, layers: LayerRange, speed: float) -> float:
-        """One decode step of BATCH_ROWS rows of a stage running `layers` on a box `speed`
+    def batch_step_ms(self, layers: LayerRange, speed: float, rows: float = BATCH_ROWS) -> float:
+        """One decode step of `rows` requests of a stage running `layers` on a box `speed`
         times the profiler's."""
         first, stop = layers
-        total = sum(cost.batch_decode_ms for cost in self.layers[first:stop])
+        total = sum(cost.rows_ms(rows) for cost in self.layers[first:stop])
         if first == 0:
-            total += self.embedding.batch_decode_ms
+            total += self.embedding.rows_ms(rows)
         if stop == self.num_layers:
-            total += self.head.batch_decode_ms
+            total += self.head.rows_ms(rows)
         return total / speed
 
     def weight_bytes(self, layers: LayerRange, mode: WeightMode) -> int:

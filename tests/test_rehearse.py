@@ -81,8 +81,8 @@ def test_the_one_box_variant_runs_every_layer_with_the_share_that_box_had(
 
 
 def made_up_costs(message: MessageCost | None) -> ModelCosts:
-    """30 layers of 1 ms per batch step (a row's step is cheaper, and unused), a free
-    embedding and head."""
+    """30 layers of 1 ms per step of 4 rows and 0.5 ms per row alone, a free embedding and
+    head."""
     nothing = PartBytes(fp32=0, bf16=0, int8=0, int4=0)
     return ModelCosts(layers=(PartCost(0.0, 0.5, 1.0),) * 30, embedding=PartCost(0.0, 0.0, 0.0),
                       head=PartCost(0.0, 0.0, 0.0), layer_bytes=(nothing,) * 30,
@@ -116,6 +116,10 @@ def test_the_prediction_counts_batch_steps_messages_and_each_boxs_cpu(tmp_path: 
     unprofiled = predict(plant, made_up_costs(None), shares, 4, 1, "jetson", "jetson")
     assert not unprofiled.hops_profiled and one_group.hops_profiled
     assert unprofiled.tok_s == pytest.approx(4 * 1000 / (40 / 3 + 40 / 3 + 220 / 9))
+    # Groups of fewer rows step on the line through the profiled 1-row and 4-row steps.
+    for requests, per_layer in ((1, 0.5), (2, 0.5 + 0.5 / 3)):
+        small = predict(plant, made_up_costs(None), shares, requests, 1, "jetson", "jetson")
+        assert small.step_ms["pi-1"] == pytest.approx(4 * per_layer / 0.3)
 
 
 def test_a_drafting_plant_is_predicted_with_every_draft_taken_as_its_ceiling(
@@ -128,8 +132,9 @@ def test_a_drafting_plant_is_predicted_with_every_draft_taken_as_its_ceiling(
     lone = predict(drafting, made_up_costs(message), shares, 1, 1, "jetson", "jetson")
     plain = predict(plant, made_up_costs(message), shares, 1, 1, "jetson", "jetson")
     assert plain.drafted_tok_s is None and lone.tok_s == pytest.approx(plain.tok_s)
-    # Three positions in flight: faster than one, never past the busiest box's rate.
-    jetson_ms = (22 + 0.6 + 0.6 + 4 * 0.09) / 0.9
+    # Three positions in flight, each a row alone: faster than one, never past the busiest
+    # box's rate.
+    jetson_ms = (22 * 0.5 + 0.6 + 0.6 + 4 * 0.09) / 0.9
     assert lone.drafted_tok_s is not None
     assert plain.tok_s < lone.drafted_tok_s <= 1000 / jetson_ms * (1 + 1e-9)
     # With more requests in flight than speculation.max_in_flight nobody drafts.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -191,6 +192,9 @@ class Measurement:
     boxes: dict[str, tuple[BoxSample, BoxSample]]   # before, after
     cpu_cores: dict[str, float]
     errors: list[str]
+    # The host's 1-minute load average at the end: above its cores, the boxes' processes
+    # queued behind others' for a CPU, and got less than their quotas.
+    host_load: float = 0.0
 
 
 def sample(rehearsal: Rehearsal, client: Client) -> dict[str, BoxSample]:
@@ -248,4 +252,4 @@ async def measure(rehearsal: Rehearsal, client: Client, workload: Workload,
         decode_tok_s=decode,
         boxes={box: (before[box], after[box]) for box in before},
         cpu_cores={share.box: share.cpu_cores for share in rehearsal.shares},
-        errors=errors)
+        errors=errors, host_load=os.getloadavg()[0])
