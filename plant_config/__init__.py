@@ -6,7 +6,6 @@ Agents call `load_plant`; `edgebus init` calls `init_plant_file`.
 from plant_config.layout import even_split
 from plant_config.loader import init_plant_file, load_plant, make_plant, write_plant
 from plant_config.schema import (
-    BrokerEndpoint,
     BrokerSettings,
     CoordinatorSpec,
     Liveness,
@@ -16,7 +15,6 @@ from plant_config.schema import (
 )
 
 __all__ = [
-    "BrokerEndpoint",
     "BrokerSettings",
     "CoordinatorSpec",
     "Liveness",

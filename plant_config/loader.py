@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from edgebus.errors import CheckpointError, PlantConfigError
+from edgebus.core.errors import CheckpointError, PlantConfigError
 from plant_config.layout import even_split, fit_problems
 from plant_config.problems import Problem, Problems, from_validation_error, plant_error
 from plant_config.schema import GGUF_SUFFIX, RELATIVE_TO, BrokerSettings, Plant, WeightMode

@@ -9,7 +9,7 @@ silently falls back to a default.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -27,14 +27,14 @@ from pydantic import (
     model_validator,
 )
 
-from edgebus.errors import PlantConfigError
-from edgebus.topics import Topics, check_level
+from edgebus.core.endpoint import BrokerEndpoint, MqttProtocol
+from edgebus.core.errors import PlantConfigError
+from edgebus.core.topics import Topics, check_level
 from plant_config.credentials import read_password
 from plant_config.layout import layout_problems
 from plant_config.problems import Problem, Problems
 from plant_config.tasks import TaskTemplate
 
-MqttProtocol = Literal["3.1.1", "5"]
 # How a stage keeps its weights: docs/weight-modes.md.
 # gguf: the model's GGUF blocks as shipped (Q4_0, Q4_K_M, Q8_0, F16, ...), run by llama.cpp.
 WeightMode = Literal["fp32", "bf16", "int8", "int4", "gguf"]
@@ -90,23 +90,6 @@ class _Section(BaseModel):
     # frozen: a Plant is validated once, mutation would bypass the checks.
     # hide_input_in_errors: the input of a broker section may contain a password.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
-
-
-@dataclass(frozen=True)
-class BrokerEndpoint:
-    """What an MQTT client needs to connect."""
-
-    host: str
-    port: int
-    tls: bool
-    username: str | None
-    password: str | None = field(repr=False)
-    protocol: MqttProtocol
-    ca_file: Path | None  # None: the system trust store
-    keepalive_s: int
-    # Mutual TLS: the certificate and key this client presents (security.tls.require_certificate).
-    cert_file: Path | None = None
-    key_file: Path | None = None
 
 
 class BrokerSettings(_Section):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import trustme
 
-from edgebus.processes import LOOPBACK
+from edgebus.core.processes import LOOPBACK
 from plant_config.schema import BrokerTls
 
 

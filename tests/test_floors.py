@@ -72,7 +72,8 @@ def imports(name: str) -> Iterator[str]:
             if node.level:
                 anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            # `from package import module` imports the module; `from module import name`, the module.
+            # `from package import module` imports that module; `from module import name`,
+            # the module (known() falls back to it).
             targets = [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue

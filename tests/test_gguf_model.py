@@ -24,7 +24,7 @@ from test_llamacpp import KV_BUDGET_MB, LIMITS, SPLITS, reference, requests
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from edgebus.cli import main
-from edgebus.errors import EngineError, PlantConfigError
+from edgebus.core.errors import EngineError, PlantConfigError
 from edgebus.model_import import bundled_gguf
 from node_agent import gguf_model
 from node_agent.costs import model_costs, profiled_model

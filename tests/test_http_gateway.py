@@ -26,10 +26,10 @@ import pytest
 from brokers import BrokerHandle
 from pipeline import plant_for, reference_tokens, running, stage_model, tokenizer
 
+from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse, StreamDelta
+from edgebus.core.processes import LOOPBACK, free_port
 from edgebus.gateways.api_keys import ensure_api_keys, key_path
 from edgebus.gateways.http import EXTRA_CONNECTIONS, HttpGateway, Pending, _events, _Shape
-from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse, StreamDelta
-from edgebus.processes import LOOPBACK, free_port
 from node_agent.coordinator import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import Plant

@@ -25,9 +25,9 @@ from tiny_models import build_tiny
 from transformers import AutoConfig, GenerationConfig
 
 from edgebus.ask import ask
+from edgebus.core.processes import LOOPBACK, free_port, proc_status_bytes
 from edgebus.launcher import STOP_GRACE_S
 from edgebus.model_import import bundled_gguf
-from edgebus.processes import LOOPBACK, free_port, proc_status_bytes
 from node_agent.engines.llamacpp.engine import MODEL_GGUF
 from node_agent.model_config import generation_eos, kv_bytes_per_token, load_config
 from plant_config import make_plant, write_plant

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from edgebus.errors import EngineError
+from edgebus.core.errors import EngineError
 from node_agent import gguf_model
 from node_agent.engines.base import CacheFull, ContextShape, StageEngine, StageSlice
 from node_agent.engines.llamacpp import library, stage_gguf
