@@ -22,8 +22,8 @@ from broker.acl import access_rules, bridge_topics
 from broker.passwd import hash_password, password_file
 from edgebus.core.errors import EdgebusError
 from plant_config import Plant
+from plant_config.broker_section import BrokerSettings, BrokerTls, Security
 from plant_config.credentials import SECRET_DIR_MODE, SECRET_MODE, ensure_passwords, password_path
-from plant_config.schema import BrokerSettings, BrokerTls, Security
 
 CONF_NAME = "mosquitto.conf"
 PASSWD_NAME = "passwd"

@@ -26,7 +26,7 @@ from edgebus.ask import ask
 from edgebus.core.messages import GenerateRequest
 from edgebus.core.processes import LOOPBACK, free_port
 from plant_config import BrokerSettings, Plant, StageSpec
-from plant_config.schema import BrokerTls, Security
+from plant_config.broker_section import BrokerTls, Security
 
 WAIT_S = 60.0
 

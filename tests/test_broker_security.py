@@ -47,8 +47,8 @@ from edgebus.core.errors import BusError, EdgebusError, PlantConfigError
 from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
 from edgebus.core.processes import LOOPBACK, free_port
 from plant_config import BrokerSettings, Plant, StageSpec, load_plant
+from plant_config.broker_section import BrokerTls, Security
 from plant_config.credentials import password_path
-from plant_config.schema import BrokerTls, Security
 
 WAIT_S = 10.0
 GATEWAYS = ["plc-1", "plc-2"]

@@ -37,7 +37,7 @@ from edgebus.core.processes import LOOPBACK
 from node_agent.coordinator import Coordinator
 from node_agent.journal import default_directory
 from plant_config import Liveness, Plant, make_plant, write_plant
-from plant_config.schema import Security
+from plant_config.broker_section import Security
 
 # Fast liveness, so a dead agent is seen within seconds.
 LIVENESS = Liveness(heartbeat_s=0.5, timeout_s=3.0, stage_wait_s=60.0)

@@ -33,9 +33,10 @@ from edgebus.gateways.http import EXTRA_CONNECTIONS, HttpGateway, Pending, _even
 from node_agent.coordinator import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import Plant
+from plant_config.broker_section import Security
 from plant_config.credentials import ensure_passwords
 from plant_config.loader import write_plant
-from plant_config.schema import Liveness, Security
+from plant_config.schema import Liveness
 
 # Up to the first answer of a cold plant on 2 busy cores; a hung test fails, not hangs.
 WAIT_S = 120.0

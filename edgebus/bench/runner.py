@@ -73,8 +73,9 @@ from node_agent.engines.onnx_engine import prepare_graphs
 from node_agent.engines.tuning import cpu_model
 from node_agent.text import prompt_ids
 from plant_config import Plant, make_plant, write_plant
+from plant_config.broker_section import EMBEDDED
 from plant_config.planner import balanced_split
-from plant_config.schema import EMBEDDED, EngineName, WeightMode, resolve_engine
+from plant_config.schema import EngineName, WeightMode, resolve_engine
 
 # The pipeline under test: SmolLM2's 30 layers over 3 stages, split as
 # `edgebus plan` splits them over equal boxes (see _plant).
