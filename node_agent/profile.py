@@ -15,8 +15,8 @@ times the rows, nor the 1-row cost (on SmolLM2 here, 1.0x it for the head, 1.1-1
 for a layer).
 
 Messages: the CPU a decode message costs its agents and Mosquitto
-(node_agent/costs.py, which also caches and dispatches: a GGUF file is
-profiled in llama.cpp instead, node_agent/gguf_profile.py).
+(node_agent/message_cost.py). node_agent/costs.py caches and dispatches: a
+GGUF file is profiled in llama.cpp instead, node_agent/gguf_profile.py.
 
 Memory: weight bytes per part and weight mode come from the model's shapes
 (`weight_sizes.stored_bytes` on a meta-device skeleton, nothing loaded), and the

@@ -1,6 +1,6 @@
 """What an MQTT client needs to connect: the broker's address, TLS and credentials.
 
-The plant file (plant_config/schema.py) says it for each agent; the bus client
+The plant file (plant_config/broker_section.py) says it for each agent; the bus client
 (edgebus/core/client.py) connects with it.
 """
 
