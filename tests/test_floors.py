@@ -121,6 +121,17 @@ def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
     return found
 
 
+def test_the_checks_see_what_they_look_for() -> None:
+    # The checks below pass on a clean house; these show that they would see a dirty one.
+    assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert cycles({"a": ["b"], "b": [], "c": ["a", "b"]}) == []
+    assert [floor(name) for name in ("edgebus", "edgebus.core.frames", "broker.acl",
+                                     "plant_config", "edgebus.cli")] == [0, 0, 1, 1, 2]
+    assert "edgebus.core.frames" in GRAPH["node_agent.stage"]
+    # A function-local import counts: the CLI imports the stage agent inside `node`.
+    assert "node_agent.stage" in GRAPH["edgebus.cli"]
+
+
 def test_the_modules_are_found() -> None:
     # A wrong ROOT would find nothing and pass every check below.
     assert {"edgebus.core.frames", "node_agent.stage", "broker.embedded",
