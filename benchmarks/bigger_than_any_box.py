@@ -51,8 +51,8 @@ from edgebus.bench.peers import (
     rpc_server_argv,
     server_argv,
 )
-from edgebus.errors import EdgebusError
-from edgebus.processes import proc_status_bytes
+from edgebus.core.errors import EdgebusError
+from edgebus.core.processes import proc_status_bytes
 from edgebus.rehearse import Options, Rehearsal, Workload, one_box_variant
 from edgebus.rehearse.report import Prediction, predict
 from edgebus.rehearse.workload import Client, Measurement, measure, wait_online

@@ -32,9 +32,9 @@ from edgebus.bench.metrics import Trace, inter_token_latencies, load_stats
 from edgebus.bench.peers import ARRIVAL_SEED
 from edgebus.bench.runner import _plant
 from edgebus.bench.workload import chat_request, request_id
+from edgebus.core.processes import cores
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.model_import import bundled_gguf, ensure_demo_model
-from edgebus.processes import cores
 from node_agent.text import prompt_ids
 from plant_config import write_plant
 

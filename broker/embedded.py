@@ -33,8 +33,8 @@ from amqtt.session import Session
 from amqtt.utils import gen_client_id
 
 from broker.exposure import refuse_open_listener
-from edgebus import sd_notify
-from edgebus.errors import BusError
+from edgebus.core import sd_notify
+from edgebus.core.errors import BusError
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 
 FIX = ("give the plant file a security: section (`edgebus init` writes one unless it is "
        "given --insecure; docs/plant-file.md, 'Security and line brokers'), or listen on "

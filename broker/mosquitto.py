@@ -19,8 +19,8 @@ from pathlib import Path
 from types import TracebackType
 
 from broker.exposure import refuse_open_listener
-from edgebus.errors import EdgebusError
-from edgebus.processes import LOOPBACK, child_setup, free_port
+from edgebus.core.errors import EdgebusError
+from edgebus.core.processes import LOOPBACK, child_setup, free_port
 
 INSTALL_HINT = "apt-get install mosquitto mosquitto-clients"
 

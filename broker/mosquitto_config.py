@@ -20,10 +20,10 @@ from pathlib import Path
 
 from broker.acl import access_rules, bridge_topics
 from broker.passwd import hash_password, password_file
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 from plant_config import Plant
+from plant_config.broker_section import BrokerSettings, BrokerTls, Security
 from plant_config.credentials import SECRET_DIR_MODE, SECRET_MODE, ensure_passwords, password_path
-from plant_config.schema import BrokerSettings, BrokerTls, Security
 
 CONF_NAME = "mosquitto.conf"
 PASSWD_NAME = "passwd"
@@ -33,7 +33,7 @@ _UNSAFE_CHARS = (" ", "\t", ":")
 # QoS of bridged topics: every edgebus message is QoS 1, and a bridge must not downgrade it.
 _BRIDGE_QOS = 1
 # The bridge retries a lost site connection after 1 s, backing off to 30 s:
-# agents reconnect on a similar schedule (edgebus.client), so the line comes
+# agents reconnect on a similar schedule (edgebus.core.client), so the line comes
 # back together with them, and a long site outage costs a retry every 30 s.
 _BRIDGE_RESTART_S = (1, 30)
 # Agents answer a request fast; TCP_NODELAY saves 44-88 ms per small QoS 1 round trip.

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import aiomqtt
 
-from edgebus.client import BusClient
-from edgebus.errors import EdgebusError
-from edgebus.messages import GenerateRequest, GenerateResponse, StreamDelta
-from edgebus.statuses import StatusReader
+from edgebus.core.client import BusClient
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import GenerateRequest, GenerateResponse, StreamDelta
+from edgebus.core.statuses import StatusReader
 from plant_config import Plant
 
 log = logging.getLogger(__name__)

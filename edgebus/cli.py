@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 from edgebus.intermixed import IntermixedParser
 from plant_config.examples import EXAMPLES
 from plant_config.loader import DEFAULT_GATEWAYS
@@ -282,7 +282,7 @@ def _ask(args: argparse.Namespace) -> None:
     from pydantic import ValidationError
 
     from edgebus.ask import ask
-    from edgebus.messages import ChatMessage, GenerateRequest, describe
+    from edgebus.core.messages import ChatMessage, GenerateRequest, describe
     from plant_config import load_plant
 
     plant = load_plant(args.plant)

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from edgebus.ask import ask
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
+from edgebus.core.processes import free_port
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
-from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
 from edgebus.model_import import DEMO_MODEL_NAME, ensure_demo_model
-from edgebus.processes import free_port
 from plant_config import Plant, make_plant, write_plant
 
 # The smallest pipeline with a middle stage: first (embedding), middle (hidden

@@ -47,11 +47,11 @@ from typing import IO, Literal, TextIO
 import aiomqtt
 
 from broker.exposure import refuse_open_listener
-from edgebus.client import BusClient
-from edgebus.errors import EdgebusError
-from edgebus.memory_limits import MemoryLimit, memory_limit, rss_bytes
-from edgebus.processes import child_setup, cores
-from edgebus.statuses import StatusReader
+from edgebus.core.client import BusClient
+from edgebus.core.errors import EdgebusError
+from edgebus.core.memory_limits import MemoryLimit, memory_limit, rss_bytes
+from edgebus.core.processes import child_setup, cores
+from edgebus.core.statuses import StatusReader
 from plant_config import Plant, load_plant
 
 # amqtt listens ~0.2 s after its interpreter starts here; the margin is for a

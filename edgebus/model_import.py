@@ -48,8 +48,9 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
-from edgebus.errors import ModelImportError
-from edgebus.locks import exclusive
+from edgebus.core.errors import ModelImportError
+from edgebus.core.locks import exclusive
+from edgebus.core.paths import GGUF_FILE, edgebus_home
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-GGUF_FILE = "model.gguf"  # the source GGUF as shipped: what the llamacpp engine loads
 # Written last: its presence (with the two files above) is what "complete" means.
 MARKER_FILE = ".edgebus-import.json"
 
@@ -105,17 +105,6 @@ def default_model_dir(*, keep_quantized: bool = False) -> Path:
     """
     return edgebus_home() / "models" / (DEMO_MODEL_NAME + (KEPT_SUFFIX if keep_quantized
                                                             else ""))
-
-
-def edgebus_home() -> Path:
-    """$EDGEBUS_HOME, by default $XDG_CACHE_HOME/edgebus, that is ~/.cache/edgebus: where
-    edgebus keeps what it makes for itself (imported demo models, llama.cpp's tools, stage
-    files cut from a GGUF)."""
-    home = os.environ.get("EDGEBUS_HOME")
-    if not home:
-        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        home = str(Path(cache) / "edgebus")
-    return Path(home)
 
 
 def ensure_demo_model(dest: Path | None = None, *, progress: bool = True,

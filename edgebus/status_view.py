@@ -18,10 +18,10 @@ from typing import Any
 import aiomqtt
 from pydantic import ValidationError
 
-from edgebus.client import INFLIGHT_WINDOW, UNACKED_WARN_AT, BusClient
-from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus, Plan
-from edgebus.statuses import StatusReader
+from edgebus.core.client import INFLIGHT_WINDOW, UNACKED_WARN_AT, BusClient
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import AgentStatus, Plan
+from edgebus.core.statuses import StatusReader
 from plant_config import Plant
 
 log = logging.getLogger(__name__)

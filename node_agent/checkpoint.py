@@ -45,7 +45,7 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from edgebus.errors import CheckpointError
+from edgebus.core.errors import CheckpointError
 from node_agent.blockwise import BlockQuantized
 
 SINGLE_FILE = "model.safetensors"

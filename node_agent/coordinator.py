@@ -55,11 +55,11 @@ import numpy as np
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edgebus import frames
-from edgebus.client import BusClient
-from edgebus.errors import BusError, EdgebusError, RequestError
-from edgebus.frames import Frame, Header, Kind
-from edgebus.messages import (
+from edgebus.core import frames
+from edgebus.core.client import BusClient
+from edgebus.core.errors import BusError, EdgebusError, RequestError
+from edgebus.core.frames import Frame, Header, Kind
+from edgebus.core.messages import (
     AgentStatus,
     CancelRequest,
     ErrorInfo,
@@ -72,8 +72,8 @@ from edgebus.messages import (
     parse_request,
     salvage_id,
 )
-from edgebus.statuses import Role, StatusReader
-from edgebus.topics import check_level
+from edgebus.core.statuses import Role, StatusReader
+from edgebus.core.topics import check_level
 from node_agent.engines import kv_reservation
 from node_agent.groups import Outbox
 from node_agent.journal import Entry, Journal, JournalLock, default_directory
@@ -477,7 +477,8 @@ class Coordinator:
 
     def _on_status(self, agent: str, payload: bytes, *, retained: bool) -> None:
         """The status of `agent`, the agent its topic names: one whose payload names another
-        agent or role is dropped (edgebus/statuses.py), so an identity speaks only for itself."""
+        agent or role is dropped (edgebus/core/statuses.py), so an identity speaks only for
+        itself."""
         role: Role
         if self._is_coordinator(agent):
             role = "coordinator"

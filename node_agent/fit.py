@@ -18,11 +18,11 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from edgebus.errors import EdgebusError
-from edgebus.memory_limits import available_bytes, memory_limit, rss_bytes
-from node_agent.costs import Measured, costs_from
+from edgebus.core.errors import EdgebusError
+from edgebus.core.memory_limits import available_bytes, memory_limit, rss_bytes
 from node_agent.engines.llamacpp.engine import model_gguf
 from node_agent.gguf_profile import llamacpp_shape, weight_sizes
+from node_agent.measured import Measured, costs_from
 from plant_config.layout import show
 from plant_config.planner import Box, Memory, ModelCosts
 from plant_config.schema import Plant, resolve_engine

@@ -32,7 +32,7 @@ from typing import Any
 
 import gguf
 
-from edgebus.errors import CheckpointError
+from edgebus.core.errors import CheckpointError
 from plant_config.schema import GGUF_SUFFIX
 
 EMBEDDING, HEAD = "embedding", "head"

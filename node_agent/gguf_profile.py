@@ -48,13 +48,14 @@ from typing import Any
 import numpy as np
 
 from broker.mosquitto import mosquitto_binary
-from edgebus.errors import EngineError
-from edgebus.model_import import edgebus_home
-from node_agent.costs import Measured, Sizes, costs_from, measure_message
+from edgebus.core.errors import EngineError
+from edgebus.core.paths import edgebus_home
 from node_agent.engines.base import ContextShape
 from node_agent.engines.llamacpp import library
 from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, LlamaCppEngine
 from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes, read_config
+from node_agent.measured import Measured, Sizes, costs_from
+from node_agent.message_cost import measure_message
 from node_agent.model_config import kv_bytes_per_token
 from plant_config.planner import BATCH_ROWS, PREFILL_POSITIONS, ModelCosts, PartBytes
 from plant_config.stage_memory import IDLE_AGENT_BYTES, LlamaCppShape

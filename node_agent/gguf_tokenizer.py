@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from edgebus.errors import CheckpointError
+from edgebus.core.errors import CheckpointError
 from node_agent import gguf_model
 from node_agent.engines.llamacpp import library
 from node_agent.tokenizer import TemplatedTokenizer

@@ -21,7 +21,7 @@ computes one group, the other stages compute the others, and no box idles).
 - Prompt chunks and releases belong to no group; they leave in a message of
   their own per node.
 - No message carries more than `max_frames` frames (the plant's frame limit,
-  edgebus/frames.py): more leave as several messages, in order.
+  edgebus/core/frames.py): more leave as several messages, in order.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 
 log = logging.getLogger(__name__)
 

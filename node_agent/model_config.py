@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from edgebus.errors import CheckpointError
+from edgebus.core.errors import CheckpointError
 from node_agent import gguf_model
 
 CONFIG_FILE = "config.json"

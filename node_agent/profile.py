@@ -15,8 +15,8 @@ times the rows, nor the 1-row cost (on SmolLM2 here, 1.0x it for the head, 1.1-1
 for a layer).
 
 Messages: the CPU a decode message costs its agents and Mosquitto
-(node_agent/costs.py, which also caches and dispatches: a GGUF file is
-profiled in llama.cpp instead, node_agent/gguf_profile.py).
+(node_agent/message_cost.py). node_agent/costs.py caches and dispatches: a
+GGUF file is profiled in llama.cpp instead, node_agent/gguf_profile.py.
 
 Memory: weight bytes per part and weight mode come from the model's shapes
 (`weight_sizes.stored_bytes` on a meta-device skeleton, nothing loaded), and the
@@ -46,13 +46,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from broker.mosquitto import mosquitto_binary
-from edgebus.model_import import GGUF_FILE
-from edgebus.processes import idle_agent_rss
+from edgebus.core.paths import GGUF_FILE
+from edgebus.core.processes import idle_agent_rss
 from node_agent import packed
 from node_agent.checkpoint import tensor_locations
-from node_agent.costs import Measured, Sizes, costs_from, measure_message
 from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes
 from node_agent.kv_cache import KVCache
+from node_agent.measured import Measured, Sizes, costs_from
+from node_agent.message_cost import measure_message
 from node_agent.weight_sizes import stored_bytes
 from plant_config.planner import BATCH_ROWS, PREFILL_POSITIONS, ModelCosts, PartBytes
 from plant_config.schema import WeightMode

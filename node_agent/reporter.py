@@ -15,10 +15,10 @@ import logging
 import time
 from typing import Literal
 
-from edgebus.client import BusClient
-from edgebus.messages import Event
-from edgebus.topics import Topics
-from node_agent.runtime import StatusPayload
+from edgebus.core.client import BusClient
+from edgebus.core.messages import Event
+from edgebus.core.topics import Topics
+from node_agent.status_payload import StatusPayload
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What every agent process shares: status payloads, events, signals, logging."""
+"""What every agent process shares: its presence on the bus, signals, logging, the serve loop."""
 
 from __future__ import annotations
 
@@ -7,93 +7,22 @@ import gc
 import logging
 import os
 import signal
-import socket
-import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from edgebus import sd_notify
-from edgebus.client import BusClient, Presence
-from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus, Plan, PlanStage
-from edgebus.topics import Topics
+from edgebus.core import sd_notify
+from edgebus.core.client import BusClient, Presence
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import Plan, PlanStage
+from edgebus.core.topics import Topics
+from node_agent.cancel import cancel_all
+from node_agent.status_payload import StatusPayload
 from plant_config import Plant
 
 if TYPE_CHECKING:
     from node_agent.sparkplug import Alive
 
 log = logging.getLogger(__name__)
-
-try:
-    VERSION = version("edgebus")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    VERSION = "0+unknown"
-
-
-# Counters whose per-second rate each status also carries, under the rate's
-# name: a chart of a rate reads at a glance, one of an ever-growing counter
-# does not. `tokens` are the coordinator's generated tokens, `rows` the
-# request rows a stage computed, `compute_s` a stage's seconds of compute (so
-# its rate is the fraction of time the stage was busy).
-RATES = {"tokens": "tokens_per_s", "rows": "rows_per_s", "compute_s": "busy"}
-
-# How long a shutdown waits for a cancelled task before cancelling it again.
-CANCEL_RETRY_S = 0.5
-
-# Uptime counts from here: agents import this module first thing, before loading layers.
-_STARTED = time.monotonic()
-
-
-@dataclass
-class StatusPayload:
-    """Builds one agent's status payloads; remembers its last error and its last counters."""
-
-    agent_id: str
-    role: Literal["stage", "coordinator"]
-    stage: int | None = None
-    layers: tuple[int, int] | None = None
-    metrics: Callable[[], dict[str, float]] | None = None
-    engine: dict[str, str | int | float] | None = None
-    last_error: str | None = None
-    last_error_ts: float | None = None
-    _previous: tuple[float, dict[str, float]] | None = field(default=None, init=False)
-    # The last online status built: what the Sparkplug edge node reports (node_agent/sparkplug.py).
-    latest: AgentStatus | None = field(default=None, init=False)
-
-    def __call__(self, state: Literal["online", "offline"], bdseq: int) -> bytes:
-        now = time.monotonic()
-        metrics = dict(self.metrics()) if self.metrics else {}  # a copy: rates are added
-        if state == "online":  # a death (the Will is built at connect time) carries no rates
-            metrics.update(self._rates(now, metrics))
-        status = AgentStatus(state=state, role=self.role, agent_id=self.agent_id,
-                             stage=self.stage, layers=list(self.layers) if self.layers else None,
-                             pid=os.getpid(), host=socket.gethostname(), version=VERSION,
-                             bdseq=bdseq, rss_bytes=rss_bytes(),
-                             uptime_s=round(now - _STARTED, 1), last_error=self.last_error,
-                             last_error_ts=self.last_error_ts, metrics=metrics, engine=self.engine)
-        if state == "online":
-            self.latest = status
-        return status.model_dump_json().encode()
-
-    def _rates(self, now: float, metrics: dict[str, float]) -> dict[str, float]:
-        """RATES over the time since the previous online payload (none for the first)."""
-        previous, self._previous = self._previous, (now, dict(metrics))
-        if previous is None or now <= previous[0]:
-            return {}
-        then, before = previous
-        return {rate: (metrics[name] - before[name]) / (now - then)
-                for name, rate in RATES.items() if name in metrics and name in before}
-
-
-def rss_bytes() -> int | None:
-    """This process's resident memory now (Linux /proc); None where there is no /proc."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def presence(topics: Topics, agent_id: str, role: Literal["stage", "coordinator"], *,
@@ -191,22 +120,6 @@ async def publish_plan(bus: BusClient, plant: Plant) -> None:
                                   nodes=stage.node_ids) for stage in plant.pipeline])
     await bus.wait_connected()
     await bus.publish(plant.topics.plan, plan.model_dump_json(), qos=1, retain=True)
-
-
-async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
-    """Cancel `tasks` and wait for them, cancelling again any that swallowed the cancel.
-
-    On Python 3.11 a cancel that lands as the awaited operation completes is
-    lost inside `asyncio.wait_for` (which aiomqtt uses for connects and QoS 1
-    publishes): the task runs on, and a plain gather would wait forever.
-    """
-    pending = [task for task in tasks if not task.done()]
-    while pending:
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=CANCEL_RETRY_S)
-        pending = [task for task in pending if not task.done()]
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def serve_until(stop: asyncio.Event, bus: BusClient, handler: Callable[..., None],

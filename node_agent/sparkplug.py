@@ -46,10 +46,11 @@ from pysparkplug import (
     get_current_timestamp,
 )
 
-from edgebus.client import BusClient
-from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus
-from node_agent.runtime import RATES, StatusPayload, cancel_all
+from edgebus.core.client import BusClient
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import AgentStatus
+from node_agent.cancel import cancel_all
+from node_agent.status_payload import RATES, StatusPayload
 from plant_config import Plant
 
 log = logging.getLogger(__name__)

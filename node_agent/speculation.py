@@ -12,7 +12,7 @@ the result for position n comes back, the coordinator samples x_n+1 as it
 always does. If it equals the draft d_n+1, that draft's frame is already on
 its way and its result is the next one to wait for: a token gained. If not,
 the drafts after position n are wrong. The coordinator sends x_n+1 with the
-*rollback* flag (edgebus/frames.py). Each stage drops what it holds from
+*rollback* flag (edgebus/core/frames.py). Each stage drops what it holds from
 position n+1 on and computes the new frame. A draft still queued at a stage
 when its rollback arrives there is never computed (stage.py, `_superseded`).
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from edgebus.frames import Frame
+from edgebus.core.frames import Frame
 from plant_config.schema import Speculation as Settings
 
 # Drafts a request keeps in flight at most, whatever the plant file asks: a stage

@@ -17,9 +17,10 @@ them. On an engine of one thread, a batch of decode rows runs in the loop
 itself: a step of a few milliseconds, which a hand-off to the worker and back
 lengthened by a third of a millisecond or more per hop (see `_run`). An engine
 of several threads computes on the worker alone, so that OpenMP keeps one
-thread team (see `__init__`). Frames waiting (in the inbox,
-or as prompt chunks) take at most `waiting_limit` bytes, what the node's KV
-budget can ever hold of prompts; a message past it is refused, not queued.
+thread team (see `__init__`). Frames waiting (in the inbox, or as prompt
+chunks) take at most `waiting_limit` bytes (node_agent/stage_inbox.py), what
+the node's KV budget can ever hold of prompts; a message past it is refused,
+not queued.
 
 A frame that cannot be used, for a request this node cannot go on with as
 sent, is reported to the coordinator at once with an ERROR frame marked for
@@ -52,16 +53,15 @@ import collections
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import aiomqtt
 import numpy as np
 
-from edgebus import frames
-from edgebus.client import BusClient
-from edgebus.errors import FrameError
-from edgebus.frames import Frame, Header, Kind, Peek
+from edgebus.core import frames
+from edgebus.core.client import BusClient
+from edgebus.core.errors import FrameError
+from edgebus.core.frames import Frame, Header, Kind, Peek
 from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.engines.base import Cache, CacheFull
 from node_agent.fit import check_fit
@@ -69,6 +69,7 @@ from node_agent.memory import return_freed_memory
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, run_agent, serve_until, sparkplug_node
 from node_agent.sampling import top_candidates
+from node_agent.stage_inbox import InboxMessage, waiting_bytes, waiting_limit
 from plant_config import Plant
 
 log = logging.getLogger(__name__)
@@ -81,10 +82,6 @@ MAX_BATCH = frames.MAX_BATCH_ROWS
 # How often the worker looks for abandoned caches: cheap, and an abandoned
 # cache costs memory, not correctness, so once in a while is enough.
 SWEEP_INTERVAL_S = 5.0
-# Bytes a waiting frame costs beyond its payload: the Frame, its views and
-# the tensor it becomes are Python objects of about this size. Counting it
-# bounds a flood of tiny frames as the payload bytes bound one of big frames.
-FRAME_OVERHEAD_BYTES = 1024
 # Messages this big, or holding LZ4, are checked and decompressed on the
 # decoder thread: a decode step's frame (a few KB) is checked faster in the
 # loop than a thread hop takes, a prefill chunk's (hundreds of KB) is not.
@@ -92,28 +89,6 @@ DECODE_INLINE_BYTES = 64 * 1024
 # Ids of caches evicted lately, whose next frame the coordinator must hear of
 # (its request is replayed): far more than a sweep evicts at once.
 EVICTED_MEMORY = 1024
-# Headroom of `waiting_limit` over what the KV budget holds: a replayed or
-# ended request's frames may still wait while its successor, reserved against
-# the same budget, arrives.
-WAITING_HEADROOM = 2
-
-
-def waiting_limit(plant: Plant, node_id: str, hidden: int, kv_per_token: int,
-                  first: bool) -> int:
-    """Bytes of frames that may wait at `node_id`: more is refused.
-
-    The coordinator routes to a node only the positions its KV budget can
-    hold (each request reserves prompt plus max_tokens), and never more than
-    max_in_flight requests of at most max_prompt_tokens + max_tokens_limit
-    positions; a position travels as one token id into the first stage, as
-    `hidden` float32 values into the others.
-    """
-    spec, coordinator = plant.node(node_id), plant.coordinator
-    kv_positions = spec.kv_budget_mb * 2**20 // max(kv_per_token, 1)
-    legit = min(WAITING_HEADROOM * kv_positions, coordinator.max_in_flight
-                * (coordinator.max_prompt_tokens + coordinator.max_tokens_limit))
-    per_position = 4 if first else hidden * 4
-    return legit * (per_position + FRAME_OVERHEAD_BYTES)
 
 
 class _Skip(FrameError):
@@ -126,21 +101,6 @@ class _Refused(FrameError):
 
 class _Lost(FrameError):
     """A frame before this one never arrived: the coordinator must replay the request."""
-
-
-@dataclass
-class _Message:
-    """One message in the inbox: its frames' headers, and the frames once decoded."""
-
-    peeks: list[Peek]
-    frames: list[Frame] | asyncio.Future[list[Frame]]
-    topic: str
-
-
-def _cost(frame: Frame | Peek) -> int:
-    """Bytes a frame holds while it waits: its wire bytes, its decompressed copy, overhead."""
-    raw = frame.raw_bytes if isinstance(frame, Peek) else len(frame.payload)
-    return frame.wire_bytes + (raw if frame.compressed else 0) + FRAME_OVERHEAD_BYTES
 
 
 class StageAgent:
@@ -190,9 +150,9 @@ class StageAgent:
             max_in_flight=plant.coordinator.max_in_flight, stages=len(self.pipeline))
         self.waiting_limit = waiting_limit(plant, node_id, config.hidden_size, self.kv_per_token,
                                            self.model.slice.has_embedding)
-        self.waiting = 0  # bytes of the frames in the inbox and in _prompts (see _cost)
+        self.waiting = 0  # bytes of the frames in the inbox and in _prompts (see waiting_bytes)
         # Messages in arrival order; bounded by `waiting_limit` (see _on_message).
-        self.inbox: asyncio.Queue[_Message] = asyncio.Queue()
+        self.inbox: asyncio.Queue[InboxMessage] = asyncio.Queue()
         # Prompt chunks waiting for a pass; bounded by `waiting_limit` with the inbox.
         self._prompts: collections.deque[Frame] = collections.deque()
         self._swept = time.monotonic()
@@ -251,7 +211,7 @@ class StageAgent:
             return
         if not peeks:
             return
-        need = sum(_cost(p) for p in peeks)
+        need = sum(waiting_bytes(p) for p in peeks)
         if self.waiting + need > self.waiting_limit:
             self.metrics["refused_frames"] += len(peeks)
             reason = (f"node {self.node_id} has {self.waiting} bytes of frames waiting, "
@@ -273,9 +233,9 @@ class StageAgent:
         else:
             decoded = asyncio.get_running_loop().run_in_executor(
                 self._decoder, frames.decode_scanned, payload, peeks)
-        self.inbox.put_nowait(_Message(peeks, decoded, topic))
+        self.inbox.put_nowait(InboxMessage(peeks, decoded, topic))
 
-    async def _open(self, message: _Message) -> list[Frame]:
+    async def _open(self, message: InboxMessage) -> list[Frame]:
         """A message's frames, once decoded; the bad ones reported and let go."""
         if isinstance(message.frames, list):
             return message.frames
@@ -286,14 +246,14 @@ class StageAgent:
 
     def _bad(self, exc: frames.BatchError, peeks: list[Peek], topic: str) -> list[Frame]:
         """The frames of a message before its bad one; the rest reported and released."""
-        self.waiting -= sum(_cost(p) for p in peeks[len(exc.good):])
+        self.waiting -= sum(waiting_bytes(p) for p in peeks[len(exc.good):])
         self._tell_coordinator(exc.suspects, f"a frame was bad: {exc}")
         self._dropped(f"dropped a frame on {topic}: {exc}", len(peeks) - len(exc.good))
         return exc.good
 
     def _done(self, batch: list[Frame]) -> None:
         """These frames no longer wait: give their bytes back to the bound."""
-        self.waiting -= sum(_cost(f) for f in batch)
+        self.waiting -= sum(waiting_bytes(f) for f in batch)
 
     def _tell_coordinator(self, peeks: list[Peek], reason: str, *, busy: bool = False) -> None:
         """ERROR frames marked for replay: the requests cannot go on as sent (`busy`: not

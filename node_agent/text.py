@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from edgebus.messages import GenerateRequest
+from edgebus.core.messages import GenerateRequest
 from node_agent.gguf_model import is_gguf
 from node_agent.tokenizer import FileTokenizer, TemplatedTokenizer
 

@@ -14,7 +14,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 
 SUFFIX = ".password"
 # 32 random bytes, URL-safe base64: 256 bits, beyond any guessing, and no

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 from plant_config.layout import even_split
 from plant_config.planner import ModelCosts, Plan, plan, plant_boxes
 from plant_config.problems import from_validation_error, plant_error

@@ -16,10 +16,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from edgebus.errors import CheckpointError, PlantConfigError
+from edgebus.core.errors import CheckpointError, PlantConfigError
+from plant_config.broker_section import BrokerSettings
 from plant_config.layout import even_split, fit_problems
 from plant_config.problems import Problem, Problems, from_validation_error, plant_error
-from plant_config.schema import GGUF_SUFFIX, RELATIVE_TO, BrokerSettings, Plant, WeightMode
+from plant_config.schema import GGUF_SUFFIX, Plant, WeightMode
+from plant_config.section import RELATIVE_TO
 from plant_config.tasks import EXAMPLE_TASKS
 
 # Replica node name suffixes: a plant rarely runs more than two or three boxes per stage.

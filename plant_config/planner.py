@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 from plant_config.layout import LayerRange, show
 from plant_config.placement import Service, broker_box, services
 from plant_config.schema import Plant, WeightMode

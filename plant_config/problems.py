@@ -13,7 +13,7 @@ from typing import NamedTuple, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 
 Loc = tuple[str | int, ...]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgebus.frames import MAX_BATCH_ROWS
+from edgebus.core.frames import MAX_BATCH_ROWS
 from plant_config.schema import Plant
 
 MIB = 1 << 20

@@ -22,8 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from edgebus.errors import RequestError
-from edgebus.messages import (
+from edgebus.core.errors import RequestError
+from edgebus.core.messages import (
     MAX_STOP_STRINGS,
     ChatMessage,
     GenerateRequest,

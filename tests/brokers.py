@@ -22,7 +22,7 @@ from amqtt.session import Session
 from broker.embedded import EmbeddedBroker
 from broker.mosquitto import INSTALL_HINT as MOSQUITTO_INSTALL_HINT
 from broker.mosquitto import MosquittoProcess, mosquitto_binary
-from edgebus.processes import LOOPBACK, free_port
+from edgebus.core.processes import LOOPBACK, free_port
 
 # amqtt listens within ~25 ms here; the margin is for a loaded CI box.
 _START_TIMEOUT_S = 10.0

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import trustme
 
-from edgebus.processes import LOOPBACK
-from plant_config.schema import BrokerTls
+from edgebus.core.processes import LOOPBACK
+from plant_config.broker_section import BrokerTls
 
 
 def broker_tls(directory: Path, ca: trustme.CA) -> BrokerTls:

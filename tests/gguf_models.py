@@ -23,7 +23,7 @@ from dev_tools import dev_tool
 from tiny_models import build_tiny
 
 from edgebus.bench.peers import convert_hf, llama_source
-from node_agent.engines.llamacpp.engine import MODEL_GGUF
+from edgebus.core.paths import GGUF_FILE
 
 # The pre-tokenizer of SmolLM2's tokenizer, which the tiny models borrow: the converter
 # knows it by the hash of the Hub's copy, which an import through transformers changes.
@@ -33,7 +33,7 @@ SMOLLM_PRE_TOKENIZER = "smollm"
 def tiny_gguf(family: str, dest: Path, tokenizer_dir: Path) -> Path:
     """A tiny random `family` checkpoint with its GGUF (F16) beside it as model.gguf."""
     build_tiny(family, dest, tokenizer_dir)
-    convert_hf(llama_source(), dest, dest / MODEL_GGUF, log=dest / "convert.log",
+    convert_hf(llama_source(), dest, dest / GGUF_FILE, log=dest / "convert.log",
                pre_tokenizer=SMOLLM_PRE_TOKENIZER)
     return dest
 

@@ -23,7 +23,7 @@ import optional
 from brokers import BrokerHandle
 
 from edgebus.ask import ask
-from edgebus.messages import GenerateRequest, GenerateResponse
+from edgebus.core.messages import GenerateRequest, GenerateResponse
 from node_agent.coordinator import Coordinator, prefill_chunks
 from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.gguf_model import is_gguf

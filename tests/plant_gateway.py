@@ -25,9 +25,9 @@ from pathlib import Path
 import aiomqtt
 from pipeline import plant_reference
 
-from edgebus.client import BusClient
-from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
-from edgebus.processes import child_setup
+from edgebus.core.client import BusClient
+from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
+from edgebus.core.processes import child_setup
 from plant_config import Plant
 
 # Agents importing torch side by side on a 2-core box take ~10-40 s.

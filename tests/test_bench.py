@@ -43,7 +43,7 @@ from edgebus.bench.results import (
 from edgebus.bench.shared_cores import Floor
 from edgebus.bench.speculation import SpeculationLoad, SpeculationRun
 from edgebus.bench.stage_steps import StageSteps
-from edgebus.processes import proc_status_bytes
+from edgebus.core.processes import proc_status_bytes
 from plant_config import Plant, make_plant
 
 MIB = 1024**2

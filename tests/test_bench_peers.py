@@ -22,7 +22,7 @@ from edgebus.bench import peers, seed_model
 from edgebus.bench.metrics import StreamStats
 from edgebus.bench.peers import LlamaTools, Skipped
 from edgebus.cli import build_parser
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 from edgebus.model_import import bundled_gguf
 
 # Tokens the real-server tests generate: enough for an inter-token latency, few enough to

@@ -29,12 +29,13 @@ from plant_gateway import AgentProcesses, Gateway, assert_exact, gateway, reques
 from test_frames import lz4_bomb
 from transformers import AutoConfig
 
-from edgebus import frames
-from edgebus.client import MAX_QUEUED_OUT_BYTES, QUEUED_MESSAGE_BYTES, BusClient
-from edgebus.frames import Header, Kind
+from edgebus.core import frames
+from edgebus.core.client import MAX_QUEUED_OUT_BYTES, QUEUED_MESSAGE_BYTES, BusClient
+from edgebus.core.endpoint import BrokerEndpoint
+from edgebus.core.frames import Header, Kind
 from node_agent.kv_cache import kv_bytes_per_token
-from node_agent.stage import waiting_limit
-from plant_config import BrokerEndpoint, Plant, make_plant, write_plant
+from node_agent.stage_inbox import waiting_limit
+from plant_config import Plant, make_plant, write_plant
 
 # The smallest KV budget, so the bounds it implies are small and a bomb or flood
 # past them shows plainly in the stage's memory. The tiny model's KV takes

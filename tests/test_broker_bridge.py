@@ -23,10 +23,10 @@ from pipeline import reference_tokens, running
 from broker.acl import bridge_topics
 from broker.mosquitto_config import write_mosquitto_config
 from edgebus.ask import ask
-from edgebus.messages import GenerateRequest
-from edgebus.processes import LOOPBACK, free_port
+from edgebus.core.messages import GenerateRequest
+from edgebus.core.processes import LOOPBACK, free_port
 from plant_config import BrokerSettings, Plant, StageSpec
-from plant_config.schema import BrokerTls, Security
+from plant_config.broker_section import BrokerTls, Security
 
 WAIT_S = 60.0
 

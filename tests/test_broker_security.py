@@ -42,13 +42,13 @@ from broker.embedded import EmbeddedBroker
 from broker.mosquitto_config import write_mosquitto_config
 from broker.passwd import hash_password, verify_password
 from edgebus.ask import ask
-from edgebus.client import BusClient
-from edgebus.errors import BusError, EdgebusError, PlantConfigError
-from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
-from edgebus.processes import LOOPBACK, free_port
+from edgebus.core.client import BusClient
+from edgebus.core.errors import BusError, EdgebusError, PlantConfigError
+from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
+from edgebus.core.processes import LOOPBACK, free_port
 from plant_config import BrokerSettings, Plant, StageSpec, load_plant
+from plant_config.broker_section import BrokerTls, Security
 from plant_config.credentials import password_path
-from plant_config.schema import BrokerTls, Security
 
 WAIT_S = 10.0
 GATEWAYS = ["plc-1", "plc-2"]

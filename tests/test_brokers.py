@@ -22,8 +22,8 @@ import pytest
 from brokers import MOSQUITTO_INSTALL_HINT, BrokerHandle, MosquittoBroker, free_port
 
 from broker.embedded import EmbeddedBroker
-from edgebus.client import NODELAY
-from edgebus.errors import BusError
+from edgebus.core.client import NODELAY
+from edgebus.core.errors import BusError
 
 # paho (under aiomqtt) leaves Nagle on; without this every small request/reply
 # waits for the peer's delayed ACK: 88 ms measured on the loopback.

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import node_agent.checkpoint
-from edgebus.errors import CheckpointError
+from edgebus.core.errors import CheckpointError
 from node_agent.checkpoint import INDEX_FILE
 from node_agent.engines.torch_engine import TorchEngine
 

@@ -14,7 +14,7 @@ from brokers import MosquittoBroker, free_port
 
 from edgebus.ask import BROKER_WAIT_S, COORDINATOR_WAIT_S
 from edgebus.cli import build_parser, mosquitto_config_parser
-from edgebus.processes import LOOPBACK
+from edgebus.core.processes import LOOPBACK
 from plant_config import CoordinatorSpec, load_plant, make_plant, write_plant
 from plant_config.credentials import password_path
 

@@ -32,12 +32,12 @@ from plant_gateway import (
 )
 
 from broker.mosquitto_config import write_mosquitto_config
-from edgebus.errors import EdgebusError
-from edgebus.processes import LOOPBACK
+from edgebus.core.errors import EdgebusError
+from edgebus.core.processes import LOOPBACK
 from node_agent.coordinator import Coordinator
 from node_agent.journal import default_directory
 from plant_config import Liveness, Plant, make_plant, write_plant
-from plant_config.schema import Security
+from plant_config.broker_section import Security
 
 # Fast liveness, so a dead agent is seen within seconds.
 LIVENESS = Liveness(heartbeat_s=0.5, timeout_s=3.0, stage_wait_s=60.0)

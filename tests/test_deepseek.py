@@ -15,7 +15,7 @@ import torch
 from brokers import BrokerHandle
 from pipeline import ask_all, plant_for, reference_tokens, running, stage_model
 
-from edgebus.messages import ChatMessage, GenerateRequest
+from edgebus.core.messages import ChatMessage, GenerateRequest
 from node_agent.kv_cache import KVCache, kv_bytes_per_token
 
 MAX_TOKENS = 16

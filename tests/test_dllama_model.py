@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from dev_tools import dev_tool
 
-from edgebus.processes import LOOPBACK, free_port
+from edgebus.core.processes import LOOPBACK, free_port
 
 DLLAMA_DIR = os.environ.get("DLLAMA_DIR")
 TOKENS = 8

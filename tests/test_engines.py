@@ -26,7 +26,7 @@ from pipeline import ask_all, engine_tokens, plant_for, running, stage_model
 from test_pipeline import SMOLLM2_SPLITS, requests
 from tiny_models import build_tiny
 
-from edgebus.errors import EngineError
+from edgebus.core.errors import EngineError
 from node_agent.engines import load_engine
 from node_agent.engines.onnx_engine import CACHE_DIR
 from node_agent.kv_cache import KVCache

@@ -41,12 +41,13 @@ from test_launcher import (
     watch_statuses,
 )
 
-from edgebus.client import UNACKED_WARN_AT, Ack, BusClient
-from edgebus.messages import MAX_REQUEST_BYTES, AgentStatus, GenerateRequest
+from edgebus.core.client import UNACKED_WARN_AT, Ack, BusClient
+from edgebus.core.endpoint import BrokerEndpoint
+from edgebus.core.messages import MAX_REQUEST_BYTES, AgentStatus, GenerateRequest
+from edgebus.core.topics import Topics
 from edgebus.status_view import table
-from edgebus.topics import Topics
 from node_agent.runtime import presence
-from plant_config import BrokerEndpoint, Plant, write_plant
+from plant_config import Plant, write_plant
 
 # About what the attacker sent in a second; far more than the window of 20.
 BURST = 2400

@@ -35,8 +35,8 @@ from plant_gateway import (
     send,
 )
 
+from edgebus.core.messages import GenerateRequest
 from edgebus.launcher import PlantProcesses
-from edgebus.messages import GenerateRequest
 from plant_config import Liveness, Plant, make_plant, write_plant
 
 # Fast liveness so a test sees a dead node within seconds, as a plant would

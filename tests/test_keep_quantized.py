@@ -35,7 +35,7 @@ from transformers.modeling_gguf_pytorch_utils import GPT2TensorProcessor, LlamaT
 
 from edgebus import model_import
 from edgebus.cli import main
-from edgebus.errors import ModelImportError
+from edgebus.core.errors import ModelImportError
 from edgebus.model_import import (
     MARKER_FILE,
     WEIGHTS_FILE,

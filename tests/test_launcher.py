@@ -28,7 +28,9 @@ import yaml
 from brokers import BrokerHandle, free_port
 from pipeline import plant_reference
 
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
+from edgebus.core.processes import LOOPBACK
 from edgebus.launcher import (
     RESTART_LIMIT,
     RESTART_MAX_DELAY_S,
@@ -36,8 +38,6 @@ from edgebus.launcher import (
     STOP_GRACE_S,
     PlantProcesses,
 )
-from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
-from edgebus.processes import LOOPBACK
 from plant_config import Plant, load_plant, make_plant, write_plant
 
 # Two stages keep the plant at four processes (broker, stages, coordinator),

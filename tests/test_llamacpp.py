@@ -34,8 +34,8 @@ from test_pipeline import MAX_TOKENS, SMOLLM2_SPLITS
 from test_pipeline import requests as pipeline_requests
 
 from edgebus.ask import ask
-from edgebus.errors import EngineError
-from edgebus.messages import GenerateRequest, GenerateResponse
+from edgebus.core.errors import EngineError
+from edgebus.core.messages import GenerateRequest, GenerateResponse
 from node_agent.engines import (
     INIT_KV_REQUESTS,
     ContextShape,

@@ -26,9 +26,9 @@ from brokers import MosquittoBroker
 from pipeline import reference_tokens, stage_model, tokenizer
 from plant_gateway import Gateway, gateway, send
 
-from edgebus import frames
-from edgebus.frames import Peek
-from edgebus.messages import GenerateRequest
+from edgebus.core import frames
+from edgebus.core.frames import Peek
+from edgebus.core.messages import GenerateRequest
 from node_agent.coordinator import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Liveness, Plant, StageSpec

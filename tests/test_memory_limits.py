@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edgebus.memory_limits import memory_limit
+from edgebus.core.memory_limits import memory_limit
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 LIMIT_MB = 64

@@ -25,8 +25,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from edgebus import model_import
-from edgebus.errors import ModelImportError
-from edgebus.locks import exclusive
+from edgebus.core.errors import ModelImportError
+from edgebus.core.locks import exclusive
 from edgebus.model_import import (
     MARKER_FILE,
     WEIGHTS_FILE,

@@ -17,7 +17,7 @@ import yaml
 from broker.acl import access_rules
 from broker.passwd import verify_password
 from edgebus.cli import main
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 from plant_config import load_plant, write_plant
 from plant_config.credentials import password_path, read_password
 

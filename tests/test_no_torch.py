@@ -25,10 +25,10 @@ from tiny_models import build_tiny
 from transformers import AutoConfig, GenerationConfig
 
 from edgebus.ask import ask
+from edgebus.core.paths import GGUF_FILE
+from edgebus.core.processes import LOOPBACK, free_port, proc_status_bytes
 from edgebus.launcher import STOP_GRACE_S
 from edgebus.model_import import bundled_gguf
-from edgebus.processes import LOOPBACK, free_port, proc_status_bytes
-from node_agent.engines.llamacpp.engine import MODEL_GGUF
 from node_agent.model_config import generation_eos, kv_bytes_per_token, load_config
 from plant_config import make_plant, write_plant
 
@@ -88,7 +88,7 @@ async def test_a_plant_without_torch_answers_what_llamacpp_answers_whole(
     same bytes), which needs no import at all."""
     path, marks = _blocker(tmp_path / "blocker")
     source = smollm2_dir if model == "directory" else bundled_gguf()
-    assert model == "directory" or filecmp.cmp(source, smollm2_dir / MODEL_GGUF, shallow=False)
+    assert model == "directory" or filecmp.cmp(source, smollm2_dir / GGUF_FILE, shallow=False)
     plant = make_plant(source, stages=3, weights="gguf", plant_id="notorch")
     plant = plant.model_copy(update={
         "broker": plant.broker.model_copy(update={"host": LOOPBACK, "port": free_port()}),

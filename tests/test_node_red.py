@@ -31,10 +31,10 @@ from brokers import BrokerHandle, MosquittoBroker
 from pipeline import reference_tokens, running
 
 from broker.mosquitto_config import write_mosquitto_config
-from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
-from edgebus.processes import LOOPBACK, free_port
+from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
+from edgebus.core.processes import LOOPBACK, free_port
 from plant_config import BrokerSettings, Plant, StageSpec
-from plant_config.schema import Security
+from plant_config.broker_section import Security
 from plant_config.tasks import TaskTemplate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from pipeline import ask_all, plant_for, prompt_ids, reference_tokens, running
 from tiny_models import build_tiny, historyless_tokens
 
 from edgebus.ask import ask
-from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
+from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
 from node_agent.coordinator import prefill_chunks
 from plant_config import Plant
 

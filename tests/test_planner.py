@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tiny_models import build_tiny
 
 from edgebus.cli import main
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 from node_agent.costs import model_costs
 from node_agent.engines import load_engine
 from node_agent.gguf_profile import llamacpp_shape

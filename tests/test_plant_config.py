@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 from plant_config import (
     BrokerSettings,
     Plant,

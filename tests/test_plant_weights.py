@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from edgebus.cli import main
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 from plant_config import load_plant
 from plant_config.schema import resolve_engine
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import optional
 import pytest
 
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 from edgebus.rehearse import Options, even_variant, netns, one_box_variant
 from edgebus.rehearse.report import cycle_time, predict
 from edgebus.rehearse.sizing import box_shares, broker_box, coordinator_box

@@ -23,7 +23,8 @@ from edgebus.rehearse import leftovers, netns
 from edgebus.rehearse.cgroups import CGROUP_ROOT, V1Tree
 from edgebus.rehearse.rehearsal import missing
 from plant_config import BrokerSettings, Plant, StageSpec, write_plant
-from plant_config.schema import BoxSpec, Security
+from plant_config.broker_section import Security
+from plant_config.schema import BoxSpec
 
 MISSING = missing()
 pytestmark = [optional.needs(MISSING, "a rehearsal"), optional.HOST_NETWORK]

@@ -34,8 +34,8 @@ from pipeline import reference_tokens
 from tiny_models import TOKENIZER_FILES, configs
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from edgebus.messages import GenerateRequest
-from edgebus.processes import cores
+from edgebus.core.messages import GenerateRequest
+from edgebus.core.processes import cores
 from edgebus.rehearse import Options, Rehearsal
 from edgebus.rehearse.rehearsal import missing
 from edgebus.rehearse.workload import Client, fresh_statuses, wait_online

@@ -14,9 +14,9 @@ import pytest
 from tiny_models import build_tiny
 
 from edgebus.cli import main
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
+from edgebus.core.processes import cores
 from edgebus.model_import import bundled_gguf
-from edgebus.processes import cores
 from edgebus.rehearse import Options, Rehearsal, one_box_variant
 from edgebus.rehearse.fit import check_boxes
 from edgebus.rehearse.rehearsal import missing

@@ -23,8 +23,8 @@ import pytest
 from brokers import AmqttBroker, free_port
 from pipeline import plant_for
 
-from edgebus import sd_notify
-from edgebus.processes import LOOPBACK
+from edgebus.core import sd_notify
+from edgebus.core.processes import LOOPBACK
 from plant_config import make_plant, write_plant
 
 # 200 ms: the agent pings every 100 ms, so a test sees many pings in a second.

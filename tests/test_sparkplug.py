@@ -46,9 +46,9 @@ from test_broker_security import SECURED_KINDS, login, secured_plant, start_secu
 
 from broker.mosquitto_config import write_mosquitto_config
 from edgebus.ask import ask
-from edgebus.errors import PlantConfigError
-from edgebus.messages import GenerateRequest
-from edgebus.processes import LOOPBACK, free_port
+from edgebus.core.errors import PlantConfigError
+from edgebus.core.messages import GenerateRequest
+from edgebus.core.processes import LOOPBACK, free_port
 from node_agent.coordinator import Coordinator
 from node_agent.sparkplug import BD_SEQ, PLANT_DEVICE, REBIRTH
 from plant_config import Liveness, Plant, load_plant, make_plant, write_plant

@@ -25,11 +25,11 @@ from pipeline import ask_all, plant_for, plant_reference, running
 from plant_gateway import assert_exact, gateway, mid_generation, send
 from test_pipeline import SMOLLM2_SPLITS
 
-from edgebus import frames
 from edgebus.ask import ask
-from edgebus.frames import Frame, Header, Kind
+from edgebus.core import frames
+from edgebus.core.frames import Frame, Header, Kind
+from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
 from edgebus.launcher import PlantProcesses
-from edgebus.messages import ChatMessage, GenerateRequest, GenerateResponse
 from node_agent.engines import ContextShape, load_engine
 from node_agent.speculation import JUDGE_DRAFTS, PAUSE_TOKENS, Draft, Drafts
 from node_agent.stage import StageAgent

@@ -22,12 +22,14 @@ import aiomqtt
 from brokers import AmqttBroker, BrokerHandle
 from pipeline import ask_all, plant_for, running
 
-from edgebus.client import BusClient
-from edgebus.messages import AgentStatus, GenerateRequest
+from edgebus.core.client import BusClient
+from edgebus.core.endpoint import BrokerEndpoint
+from edgebus.core.messages import AgentStatus, GenerateRequest
+from edgebus.core.topics import Topics
 from edgebus.status_view import ClusterView
-from edgebus.topics import Topics
-from node_agent.runtime import StatusPayload, presence, publish_plan
-from plant_config import BrokerEndpoint, CoordinatorSpec, Liveness, write_plant
+from node_agent.runtime import presence, publish_plan
+from node_agent.status_payload import StatusPayload
+from plant_config import CoordinatorSpec, Liveness, write_plant
 
 # A status per 0.3 s: the test sees several heartbeats within a second or two.
 HEARTBEAT_S = 0.3

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from test_pipeline import SMOLLM2_SPLITS
 
 from edgebus.ask import ask
-from edgebus.client import BusClient
-from edgebus.messages import ChatMessage, GenerateRequest
+from edgebus.core.client import BusClient
+from edgebus.core.messages import ChatMessage, GenerateRequest
 from plant_config import Plant
 from plant_config.tasks import TaskTemplate
 

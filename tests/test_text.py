@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipeline import tokenizer
 
-from edgebus.messages import ChatMessage, GenerateRequest
+from edgebus.core.messages import ChatMessage, GenerateRequest
 from node_agent.text import TextStream, decode, load_tokenizer, prompt_ids
 from node_agent.tokenizer import FileTokenizer
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from edgebus.errors import CheckpointError
+from edgebus.core.errors import CheckpointError
 from node_agent.engines.torch_engine import TorchEngine
 from node_agent.kv_cache import KVCache
 

@@ -11,7 +11,7 @@ import pytest
 
 from node_agent.engines import load_engine, tuning
 from node_agent.engines.base import Kernels
-from node_agent.runtime import StatusPayload
+from node_agent.status_payload import StatusPayload
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ from pathlib import Path
 from llama_cpp import Llama
 
 from edgebus import status_view
-from edgebus.errors import EdgebusError
-from edgebus.messages import ChatMessage, GenerateRequest
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import ChatMessage, GenerateRequest
+from edgebus.core.processes import LOOPBACK, free_port
 from edgebus.model_import import bundled_gguf
-from edgebus.processes import LOOPBACK, free_port
 from edgebus.status_view import agent_ids
 from node_agent.coordinator import prefill_chunks
 from node_agent.engines.llamacpp import library

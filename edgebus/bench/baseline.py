@@ -33,8 +33,8 @@ from edgebus.bench.metrics import (
 from edgebus.bench.peers import Skipped, llama_cpp_python_single
 from edgebus.bench.results import OneCoreBaseline, TransformersBaseline
 from edgebus.bench.workload import chat_request, long_request
-from edgebus.errors import EdgebusError
-from edgebus.processes import proc_status_bytes
+from edgebus.core.errors import EdgebusError
+from edgebus.core.processes import proc_status_bytes
 from node_agent.checkpoint import tensor_locations
 from node_agent.text import prompt_ids
 

@@ -22,11 +22,12 @@ from typing import Self
 import aiomqtt
 
 from edgebus.bench.metrics import P99, HopLatency, Trace, percentile
-from edgebus.client import NODELAY
-from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse, StreamDelta
-from edgebus.statuses import StatusReader
-from plant_config import BrokerEndpoint, Plant
+from edgebus.core.client import NODELAY
+from edgebus.core.endpoint import BrokerEndpoint
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse, StreamDelta
+from edgebus.core.statuses import StatusReader
+from plant_config import Plant
 
 log = logging.getLogger(__name__)
 

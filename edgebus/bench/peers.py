@@ -51,10 +51,10 @@ from edgebus.bench.metrics import (
     marginal_rate,
     stream_stats,
 )
-from edgebus.errors import EdgebusError
-from edgebus.locks import exclusive
-from edgebus.model_import import edgebus_home
-from edgebus.processes import LOOPBACK, child_setup, free_port
+from edgebus.core.errors import EdgebusError
+from edgebus.core.locks import exclusive
+from edgebus.core.paths import edgebus_home
+from edgebus.core.processes import LOOPBACK, child_setup, free_port
 
 T = TypeVar("T")
 
@@ -323,7 +323,7 @@ _TOOL_TAIL_LINES = 25
 class ToolProcess:
     """One llama.cpp tool, started on entering and stopped (SIGTERM, then SIGKILL) on leaving,
     Ctrl-C or error included. Its output goes to `log`, quoted when it fails. The kernel
-    SIGTERMs it if this process dies first (edgebus.processes.child_setup): no orphans."""
+    SIGTERMs it if this process dies first (edgebus.core.processes.child_setup): no orphans."""
 
     def __init__(self, name: str, argv: Sequence[str], *, env: dict[str, str], log: Path) -> None:
         self.name = name

@@ -62,18 +62,20 @@ from edgebus.bench.results import (
     Wire,
 )
 from edgebus.bench.workload import chat_request, long_prompt, long_request, request_id
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import GenerateRequest
+from edgebus.core.paths import GGUF_FILE
+from edgebus.core.processes import LOOPBACK, free_port, idle_agent_rss
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses, shared_groups, shared_threads
-from edgebus.messages import GenerateRequest
-from edgebus.model_import import DEMO_MODEL_NAME, GGUF_FILE, bundled_gguf, ensure_demo_model
-from edgebus.processes import LOOPBACK, free_port, idle_agent_rss
+from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
 from node_agent.costs import model_costs
 from node_agent.engines.onnx_engine import prepare_graphs
 from node_agent.engines.tuning import cpu_model
 from node_agent.text import prompt_ids
 from plant_config import Plant, make_plant, write_plant
+from plant_config.broker_section import EMBEDDED
 from plant_config.planner import balanced_split
-from plant_config.schema import EMBEDDED, EngineName, WeightMode, resolve_engine
+from plant_config.schema import EngineName, WeightMode, resolve_engine
 
 # The pipeline under test: SmolLM2's 30 layers over 3 stages, split as
 # `edgebus plan` splits them over equal boxes (see _plant).

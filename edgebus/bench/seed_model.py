@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import TextIO
 
 from edgebus.bench.peers import _run
-from edgebus.errors import EdgebusError
-from edgebus.locks import exclusive
-from edgebus.model_import import GGUF_FILE, MARKER_FILE, edgebus_home, import_gguf
+from edgebus.core.errors import EdgebusError
+from edgebus.core.locks import exclusive
+from edgebus.core.paths import GGUF_FILE, edgebus_home
+from edgebus.model_import import MARKER_FILE, import_gguf
 
 SEED_MODEL_NAME = "deepseek-coder-1.3b-shape"
 # tools/random_gguf.py's name for the shape (its SHAPES: DeepSeek-Coder-1.3B's config.json).

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 from node_agent.engines import ContextShape, load_engine
 from node_agent.model_config import kv_bytes_per_token, load_config
 

@@ -10,7 +10,7 @@ import secrets
 
 from transformers import PreTrainedTokenizerBase
 
-from edgebus.messages import ChatMessage, GenerateRequest
+from edgebus.core.messages import ChatMessage, GenerateRequest
 from node_agent.text import prompt_ids
 
 # The question `edgebus demo` asks: a typical short shop-floor chat turn.

@@ -15,7 +15,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from edgebus.errors import PlantConfigError
+from edgebus.core.errors import PlantConfigError
 from plant_config.credentials import SECRET_DIR_MODE, SECRET_MODE
 
 SUFFIX = ".api-key"

@@ -38,8 +38,18 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from broker.exposure import is_loopback
-from edgebus.client import BusClient
-from edgebus.errors import BusError, EdgebusError, PlantConfigError
+from edgebus.core.client import BusClient
+from edgebus.core.errors import BusError, EdgebusError, PlantConfigError
+from edgebus.core.messages import (
+    MAX_REQUEST_BYTES,
+    ErrorInfo,
+    GenerateRequest,
+    GenerateResponse,
+    StreamDelta,
+    describe,
+    unbounded_number,
+)
+from edgebus.core.statuses import StatusReader
 from edgebus.gateways.api_keys import ApiKeys, read_api_key
 from edgebus.gateways.openai_schema import (
     AssistantMessage,
@@ -59,16 +69,6 @@ from edgebus.gateways.openai_schema import (
     UsageOut,
     finish_reason,
 )
-from edgebus.messages import (
-    MAX_REQUEST_BYTES,
-    ErrorInfo,
-    GenerateRequest,
-    GenerateResponse,
-    StreamDelta,
-    describe,
-    unbounded_number,
-)
-from edgebus.statuses import StatusReader
 from plant_config import Plant
 from plant_config.loader import DEFAULT_HTTP_GATEWAY
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgebus.messages import ChatMessage, FinishReason, GenerateRequest
+from edgebus.core.messages import ChatMessage, FinishReason, GenerateRequest
 
 # OpenAI's chat roles; "developer" is its newer name for "system", and
 # chat templates know only "system".

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 from edgebus.rehearse.fit import check_boxes
 from edgebus.rehearse.rehearsal import Options, Rehearsal
 from edgebus.rehearse.report import box_table, predict, summary

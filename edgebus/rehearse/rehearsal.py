@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from edgebus.errors import EdgebusError
-from edgebus.memory_limits import describe_kill, rss_bytes
-from edgebus.processes import child_setup
+from edgebus.core.errors import EdgebusError
+from edgebus.core.memory_limits import describe_kill, rss_bytes
+from edgebus.core.processes import child_setup
 from edgebus.rehearse import cgroups, leftovers, netns
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from plant_config import Plant, write_plant

@@ -7,8 +7,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from edgebus.errors import EdgebusError
-from edgebus.processes import cores
+from edgebus.core.errors import EdgebusError
+from edgebus.core.processes import cores
 from plant_config.schema import Plant
 
 MIB = 1 << 20

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 import aiomqtt
 
 from edgebus.ask import default_client_id
-from edgebus.client import BusClient
-from edgebus.errors import EdgebusError
-from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse
+from edgebus.core.client import BusClient
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
+from edgebus.core.statuses import StatusReader
 from edgebus.rehearse.rehearsal import Rehearsal
-from edgebus.statuses import StatusReader
 from plant_config import Plant
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgebus.errors import EngineError
+from edgebus.core.errors import EngineError
 from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
+from node_agent.engines.torch_side import build
 from node_agent.model_config import kv_bytes_per_token
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
 from plant_config.stage_memory import INIT_KV_REQUESTS, context_shape
@@ -134,15 +135,3 @@ def _load_torch_side(model_dir: Path, first: int, end: int, name: str, weights: 
     stage.tuned = how
     return stage
 
-
-def build(model_dir: Path, first: int, end: int, engine: str, weights: WeightMode,
-          device: Device, kernels: Kernels) -> StageEngine:
-    """The `engine` ("torch" or "onnxruntime") for layers [first, end) with `kernels`."""
-    if engine == "onnxruntime":
-        from node_agent.engines.onnx_engine import OnnxEngine
-
-        return OnnxEngine(model_dir, first, end, weights=weights, device=device,
-                          threads=kernels.threads)
-    from node_agent.engines.torch_engine import TorchEngine
-
-    return TorchEngine(model_dir, first, end, weights=weights, kernels=kernels)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from edgebus.errors import CheckpointError, EngineError
+from edgebus.core.errors import CheckpointError, EngineError
 from node_agent.model_config import kv_bytes_per_token
 from plant_config.stage_memory import ContextShape as ContextShape  # the engines size by it
 

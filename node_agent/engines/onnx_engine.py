@@ -45,8 +45,8 @@ import transformers
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from edgebus.errors import EngineError
-from edgebus.locks import exclusive
+from edgebus.core.errors import EngineError
+from edgebus.core.locks import exclusive
 from node_agent.blockwise import BlockQuantized
 from node_agent.checkpoint import CheckpointReader, tensor_locations
 from node_agent.engines import onnx_fusion, onnx_graphs, onnx_weights

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
-from edgebus.errors import EngineError
+from edgebus.core.errors import EngineError
 
 # The attention implementation the exported layers run: see _Tap.
 TAP_ATTENTION = "edgebus_tap"

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from edgebus.errors import CheckpointError
+from edgebus.core.errors import CheckpointError
 from node_agent import memory, packed
 from node_agent.checkpoint import CheckpointReader
 from node_agent.engines.base import Kernels, StageEngine, StageSlice, module_path

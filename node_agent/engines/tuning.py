@@ -40,6 +40,7 @@ import torch
 
 from node_agent import packed
 from node_agent.engines.base import MIN_ROWS, Kernels, StageEngine
+from node_agent.engines.torch_side import build
 from node_agent.kv_cache import KVCache
 from plant_config.schema import Device, WeightMode
 
@@ -112,7 +113,6 @@ def choose(model_dir: Path, first: int, end: int, engine: str, weights: WeightMo
 def _time(model_dir: Path, first: int, end: int, engine: str, weights: WeightMode,
           device: Device, kernels: Kernels) -> float:
     """Milliseconds of a one-row plus a BATCH_ROWS-row decode step with `kernels`."""
-    from node_agent.engines import build
 
     previous = torch.get_num_threads()
     torch.set_num_threads(kernels.threads)

@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from edgebus.errors import EngineError
+from edgebus.core.errors import EngineError
+from edgebus.core.paths import GGUF_FILE
 from node_agent import gguf_model
 from node_agent.engines.base import CacheFull, ContextShape, StageEngine, StageSlice
 from node_agent.engines.llamacpp import library, stage_gguf
@@ -65,9 +66,6 @@ if TYPE_CHECKING:
     # Only for `step`, the torch API of tests and tools: a stage runs `run`, without torch.
     import torch
 
-# The model's GGUF inside an imported model directory (edgebus/model_import.py); a plant's
-# model: may also name a GGUF file itself.
-MODEL_GGUF = "model.gguf"
 # Bytes of one cached key or value number: llama.cpp's default KV type is f16.
 KV_ITEM_BYTES = 2
 # Flash attention off: the exactness tests and the batch invariance measured
@@ -439,7 +437,7 @@ class _Batch:
 
 def model_gguf(model: Path) -> Path:
     """The GGUF a plant's `model:` names: the file itself, or an imported directory's."""
-    path = model if gguf_model.is_gguf(model) else model / MODEL_GGUF
+    path = model if gguf_model.is_gguf(model) else model / GGUF_FILE
     if not path.is_file():
         raise EngineError(f"no GGUF at {path}, which the llamacpp engine runs: set the plant's "
                           "model: to a .gguf file, or to a directory made by `edgebus model "

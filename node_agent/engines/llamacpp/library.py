@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from edgebus.errors import EngineError
+from edgebus.core.errors import EngineError
 
 log = logging.getLogger("llama.cpp")
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from edgebus.errors import EngineError
+from edgebus.core.errors import EngineError
 from node_agent.engines.cpu_flags import CPUINFO, cpu_flags
 from node_agent.engines.llamacpp.library import PINNED, library_dir
 

@@ -51,8 +51,8 @@ from typing import Any
 
 import gguf
 
-from edgebus.errors import CheckpointError, EngineError
-from edgebus.model_import import edgebus_home
+from edgebus.core.errors import CheckpointError, EngineError
+from edgebus.core.paths import edgebus_home
 from node_agent import gguf_model
 
 CACHE_DIR = "stages"  # under $EDGEBUS_HOME

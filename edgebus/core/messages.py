@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edgebus.errors import RequestError
-from edgebus.topics import check_level
+from edgebus.core.errors import RequestError
+from edgebus.core.topics import check_level
 
 # A request is a prompt plus knobs; 256 KiB holds a ~60k-token prompt, far past
 # any edge model's context, and bounds what one gateway can make us parse.
@@ -29,7 +29,7 @@ MAX_STOP_STRINGS = 16
 # string is a marker such as "</answer>" or "\n\n", and 256 characters leave room
 # for any such marker while keeping that work per token small.
 MAX_STOP_CHARS = 256
-# The largest top_k the frame header can carry (a 16-bit field, edgebus/frames.py);
+# The largest top_k the frame header can carry (a 16-bit field, edgebus/core/frames.py);
 # the coordinator also refuses one above its model's vocabulary.
 MAX_TOP_K = 2**16 - 1
 # Characters of one JSON number. A 64-bit integer is 20 with its sign and a double's

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 import numpy as np
 
-from edgebus.errors import FrameError
+from edgebus.core.errors import FrameError
 
 if TYPE_CHECKING:
     # Only the torch engine's callers hand torch tensors in: a llama.cpp box has no torch.

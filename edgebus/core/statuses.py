@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from edgebus.messages import AgentStatus
+from edgebus.core.messages import AgentStatus
 
 # At most one warning per status topic this often. A minute shows a spoof that
 # goes on (each warning counts the drops since the last) without burying the log.

@@ -44,8 +44,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from edgebus.errors import BusError
-from plant_config import BrokerEndpoint
+from edgebus.core.endpoint import BrokerEndpoint
+from edgebus.core.errors import BusError
 
 log = logging.getLogger(__name__)
 

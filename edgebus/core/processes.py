@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from edgebus.errors import EdgebusError
+from edgebus.core.errors import EdgebusError
 
 LOOPBACK = "127.0.0.1"
 # What a stage agent holds before it loads a single weight: its imports, and
