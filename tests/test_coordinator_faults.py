@@ -34,7 +34,7 @@ from plant_gateway import (
 from broker.mosquitto_config import write_mosquitto_config
 from edgebus.errors import EdgebusError
 from edgebus.processes import LOOPBACK
-from node_agent.coordinator import Coordinator
+from node_agent.coordinator.agent import Coordinator
 from node_agent.journal import default_directory
 from plant_config import Liveness, Plant, make_plant, write_plant
 from plant_config.schema import Security

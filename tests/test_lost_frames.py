@@ -29,7 +29,7 @@ from plant_gateway import Gateway, gateway, send
 from edgebus import frames
 from edgebus.frames import Peek
 from edgebus.messages import GenerateRequest
-from node_agent.coordinator import Coordinator
+from node_agent.coordinator.agent import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Liveness, Plant, StageSpec
 
