@@ -183,7 +183,7 @@ def _node(args: argparse.Namespace) -> None:
 
 
 def _coordinator(args: argparse.Namespace) -> None:
-    from node_agent.coordinator import run_coordinator
+    from node_agent.coordinator.agent import run_coordinator
     from node_agent.runtime import warn_if_insecure
     from plant_config import load_plant
 

@@ -24,7 +24,8 @@ from brokers import BrokerHandle
 
 from edgebus.ask import ask
 from edgebus.core.messages import GenerateRequest, GenerateResponse
-from node_agent.coordinator import Coordinator, prefill_chunks
+from node_agent.coordinator.agent import Coordinator
+from node_agent.coordinator.token_loop import prefill_chunks
 from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.gguf_model import is_gguf
 from node_agent.gguf_tokenizer import GgufTokenizer

@@ -34,7 +34,7 @@ from plant_gateway import (
 from broker.mosquitto_config import write_mosquitto_config
 from edgebus.core.errors import EdgebusError
 from edgebus.core.processes import LOOPBACK
-from node_agent.coordinator import Coordinator
+from node_agent.coordinator.agent import Coordinator
 from node_agent.journal import default_directory
 from plant_config import Liveness, Plant, make_plant, write_plant
 from plant_config.broker_section import Security

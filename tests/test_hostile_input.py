@@ -42,7 +42,7 @@ from edgebus.core.messages import (
     parse_request,
 )
 from edgebus.core.statuses import StatusReader
-from node_agent import coordinator
+from node_agent.coordinator import intake
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.stage import SWEEP_INTERVAL_S
 from node_agent.text import prompt_ids as tokenize
@@ -603,10 +603,10 @@ async def test_past_the_dedup_bytes_the_oldest_answer_is_forgotten_and_generated
     plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)])
     requests = [GenerateRequest(id=f"d{i}", prompt=f"Line {i} paused", max_tokens=6,
                                 ignore_eos=True) for i in range(3)]
-    sizes = [coordinator._held_bytes(GenerateResponse(
+    sizes = [intake._held_bytes(GenerateResponse(
         id=r.id, text="x" * 64, tokens=[0] * 6, finish_reason="length")) for r in requests]
     # Room for two of the three answers (their text is far under 64 characters).
-    monkeypatch.setattr(coordinator, "DEDUP_BYTES", sum(sizes[:2]))
+    monkeypatch.setattr(intake, "DEDUP_BYTES", sum(sizes[:2]))
     root = plant.topic_root
     async with running(plant), aiomqtt.Client(mosquitto_broker.host,
                                               mosquitto_broker.port) as client:
@@ -637,7 +637,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(
         threads.append(threading.current_thread().name)
         return tokenize(*args)
 
-    monkeypatch.setattr(coordinator, "prompt_ids", prompt_ids)
+    monkeypatch.setattr(intake, "prompt_ids", prompt_ids)
     long = GenerateRequest(id="long", prompt="valve 3 open. " * (MAX_REQUEST_BYTES // 15),
                            max_tokens=2)
     root = plant.topic_root

@@ -30,7 +30,7 @@ from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
 from edgebus.core.processes import LOOPBACK, free_port
 from edgebus.gateways.api_keys import ensure_api_keys, key_path
 from edgebus.gateways.http import EXTRA_CONNECTIONS, HttpGateway, Pending, _events, _Shape
-from node_agent.coordinator import Coordinator
+from node_agent.coordinator.agent import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import Plant
 from plant_config.broker_section import Security

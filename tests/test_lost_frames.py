@@ -29,7 +29,7 @@ from plant_gateway import Gateway, gateway, send
 from edgebus.core import frames
 from edgebus.core.frames import Peek
 from edgebus.core.messages import GenerateRequest
-from node_agent.coordinator import Coordinator
+from node_agent.coordinator.agent import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Liveness, Plant, StageSpec
 

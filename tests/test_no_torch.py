@@ -43,7 +43,7 @@ raise ImportError(f"{{__name__}} is blocked: a llama.cpp box has none")
 # What a llama.cpp box's agents import: the stage agent, its engine, the coordinator, and the
 # CLI that starts them.
 AGENT_MODULES = ("edgebus.cli", "edgebus.launcher", "node_agent.stage",
-                 "node_agent.engines.llamacpp.engine", "node_agent.coordinator",
+                 "node_agent.engines.llamacpp.engine", "node_agent.coordinator.agent",
                  "node_agent.gguf_tokenizer", "node_agent.costs", "node_agent.gguf_profile")
 STOP_S = 2 * STOP_GRACE_S + 5.0
 

@@ -17,7 +17,7 @@ from tiny_models import build_tiny, historyless_tokens
 
 from edgebus.ask import ask
 from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
-from node_agent.coordinator import prefill_chunks
+from node_agent.coordinator.token_loop import prefill_chunks
 from plant_config import Plant
 
 # A maintenance log long enough to be a >= 300-token prompt.

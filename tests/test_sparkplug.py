@@ -49,7 +49,7 @@ from edgebus.ask import ask
 from edgebus.core.errors import PlantConfigError
 from edgebus.core.messages import GenerateRequest
 from edgebus.core.processes import LOOPBACK, free_port
-from node_agent.coordinator import Coordinator
+from node_agent.coordinator.agent import Coordinator
 from node_agent.sparkplug import BD_SEQ, PLANT_DEVICE, REBIRTH
 from plant_config import Liveness, Plant, load_plant, make_plant, write_plant
 from plant_config.schema import Ops, Sparkplug

@@ -29,7 +29,7 @@ from edgebus.core.messages import ChatMessage, GenerateRequest
 from edgebus.core.processes import LOOPBACK, free_port
 from edgebus.model_import import bundled_gguf
 from edgebus.status_view import agent_ids
-from node_agent.coordinator import prefill_chunks
+from node_agent.coordinator.token_loop import prefill_chunks
 from node_agent.engines.llamacpp import library
 from node_agent.gguf_tokenizer import GgufTokenizer
 from node_agent.model_config import generation_eos
