@@ -41,8 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from edgebus.bench.metrics import Trace, load_stats, stream_stats
-from edgebus.bench.peers import (
+from harness.metrics import Trace, load_stats, stream_stats
+from harness.peers import (
     LlamaServer,
     LlamaTools,
     closed_loop,
@@ -51,6 +51,7 @@ from edgebus.bench.peers import (
     rpc_server_argv,
     server_argv,
 )
+
 from edgebus.errors import EdgebusError
 from edgebus.processes import proc_status_bytes
 from edgebus.rehearse import Options, Rehearsal, Workload, one_box_variant

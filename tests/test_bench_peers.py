@@ -1,8 +1,8 @@
 """The bench's llama.cpp peers: finding the cached build, the command lines, the child process
 that keeps a llama.cpp crash out of the bench, and (where the tools are built) a real server.
 
-Nothing here builds llama.cpp: that is `edgebus bench --build-peers`, ~24 minutes, never in
-CI. The tests that run llama.cpp's own tools are skipped where the cache has none.
+Nothing here builds llama.cpp: that is `python benchmarks/build_peers.py`, ~24 minutes, never
+in CI. The tests that run llama.cpp's own tools are skipped where the cache has none.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
+from harness import peers, seed_model
+from harness.metrics import StreamStats
+from harness.peers import LlamaTools, Skipped
 
-from edgebus.bench import peers, seed_model
-from edgebus.bench.metrics import StreamStats
-from edgebus.bench.peers import LlamaTools, Skipped
 from edgebus.cli import build_parser
 from edgebus.errors import EdgebusError
 from edgebus.model_import import bundled_gguf
@@ -78,7 +78,7 @@ def test_missing_tools_skip_with_the_command_that_builds_them(home: Path) -> Non
     found = peers.find_tools()
     assert isinstance(found, Skipped)
     assert found.reason == peers.NOT_BUILT
-    assert "edgebus bench --build-peers" in found.reason and "24 minutes" in found.reason
+    assert "python benchmarks/build_peers.py" in found.reason and "24 minutes" in found.reason
 
 
 def test_a_half_built_cache_is_not_found(home: Path) -> None:

@@ -1,4 +1,6 @@
-"""`edgebus bench`: the pipeline measured against one-process baselines on the same machine.
+"""The bench's harness: the pipeline measured against one-process baselines and llama.cpp's own
+tools on the same machine (benchmarks/pipeline_vs_peers.py runs it; developer tooling, not
+installed with edgebus).
 
 - `metrics`: the arithmetic (percentiles, rates, bytes per token, per-hop overhead), pure.
 - `workload`: the fixed prompts and requests every phase sends.

@@ -21,11 +21,11 @@ from typing import Self
 
 import aiomqtt
 
-from edgebus.bench.metrics import P99, HopLatency, Trace, percentile
 from edgebus.client import NODELAY
 from edgebus.errors import EdgebusError
 from edgebus.messages import AgentStatus, GenerateRequest, GenerateResponse, StreamDelta
 from edgebus.statuses import StatusReader
+from harness.metrics import P99, HopLatency, Trace, percentile
 from plant_config import BrokerEndpoint, Plant
 
 log = logging.getLogger(__name__)
