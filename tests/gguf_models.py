@@ -96,4 +96,5 @@ def tiny_random_gguf(family: str, file_type: str, dest: Path) -> Path:
     """A tiny model of `family` (TINY_SHAPES) written by tools/random_gguf.py as `dest`."""
     tool = random_gguf_tool()
     real, changes = TINY_SHAPES[family]
-    return tool.write(dataclasses.replace(tool.SHAPES[real], **changes), file_type, dest)
+    written: Path = tool.write(dataclasses.replace(tool.SHAPES[real], **changes), file_type, dest)
+    return written

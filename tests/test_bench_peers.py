@@ -339,6 +339,7 @@ def test_real_server_is_gone_after_its_context(tmp_path: Path) -> None:
     assert tools is not None
     with pytest.raises(RuntimeError), peers.llama_server(
             tools, bundled_gguf(), threads=1, slots=1, context=256, logs=tmp_path) as server:
+        assert isinstance(server.process, peers.ToolProcess)
         pid = server.process.pid
         raise RuntimeError("Ctrl-C, or a failed measurement")
     with pytest.raises(ProcessLookupError):
