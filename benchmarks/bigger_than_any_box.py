@@ -41,6 +41,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from edgebus.errors import EdgebusError
+from edgebus.processes import proc_status_bytes
+from edgebus.rehearse import Options, Rehearsal, Workload, one_box_variant
+from edgebus.rehearse.report import Prediction, predict
+from edgebus.rehearse.workload import Client, Measurement, measure, wait_online
 from harness.metrics import Trace, load_stats, stream_stats
 from harness.peers import (
     LlamaServer,
@@ -51,12 +56,6 @@ from harness.peers import (
     rpc_server_argv,
     server_argv,
 )
-
-from edgebus.errors import EdgebusError
-from edgebus.processes import proc_status_bytes
-from edgebus.rehearse import Options, Rehearsal, Workload, one_box_variant
-from edgebus.rehearse.report import Prediction, predict
-from edgebus.rehearse.workload import Client, Measurement, measure, wait_online
 from node_agent.costs import model_costs, profiled_model
 from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes
 from plant_config import Plant, load_plant

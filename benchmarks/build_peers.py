@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.peers import BUILD_COMMAND, BUILD_MINUTES, build_tools
-
 from edgebus.errors import EdgebusError
+from harness.peers import BUILD_COMMAND, BUILD_MINUTES, build_tools
 
 
 def main() -> None:

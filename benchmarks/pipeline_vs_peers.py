@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
+from edgebus.errors import EdgebusError
 from harness.results import (
     BENCH_SCRIPT,
     BROKERS,
@@ -25,8 +26,6 @@ from harness.results import (
     BenchSettings,
 )
 from harness.runner import run_bench
-
-from edgebus.errors import EdgebusError
 from plant_config.schema import WeightMode
 
 

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from harness import baseline
-from harness.gateway import Gateway
-from harness.report import table
-from harness.workload import chat_request, request_id
 from tqdm import tqdm
 
 from broker.mosquitto import MosquittoProcess
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.model_import import ensure_demo_model
+from harness import baseline
+from harness.gateway import Gateway
+from harness.report import table
+from harness.workload import chat_request, request_id
 from plant_config import make_plant, write_plant
 
 CONCURRENCY = 8

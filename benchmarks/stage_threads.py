@@ -24,17 +24,17 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
+from edgebus.model_import import bundled_gguf, ensure_demo_model
+from edgebus.processes import cores
 from harness import baseline
 from harness.gateway import Gateway, closed_loop
 from harness.metrics import Trace, inter_token_latencies, load_stats
 from harness.peers import ARRIVAL_SEED
 from harness.runner import _plant
 from harness.workload import chat_request, request_id
-from transformers import AutoTokenizer
-
-from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
-from edgebus.model_import import bundled_gguf, ensure_demo_model
-from edgebus.processes import cores
 from node_agent.text import prompt_ids
 from plant_config import write_plant
 

@@ -20,9 +20,9 @@ from types import ModuleType
 import gguf
 import numpy as np
 from dev_tools import dev_tool
-from harness.peers import convert_hf, llama_source
 from tiny_models import build_tiny
 
+from harness.peers import convert_hf, llama_source
 from node_agent.engines.llamacpp.engine import MODEL_GGUF
 
 # The pre-tokenizer of SmolLM2's tokenizer, which the tiny models borrow: the converter

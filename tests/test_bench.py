@@ -11,6 +11,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
+
+from edgebus.processes import proc_status_bytes
 from harness import report, shared_cores, speculation
 from harness.metrics import (
     HopLatency,
@@ -42,9 +45,6 @@ from harness.results import (
 from harness.shared_cores import Floor
 from harness.speculation import SpeculationLoad, SpeculationRun
 from harness.stage_steps import StageSteps
-from transformers import AutoTokenizer
-
-from edgebus.processes import proc_status_bytes
 from plant_config import Plant, make_plant
 
 MIB = 1024**2

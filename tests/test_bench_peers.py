@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 from dev_tools import ROOT
+
+from edgebus.errors import EdgebusError
+from edgebus.model_import import bundled_gguf
 from harness import peers, seed_model
 from harness.metrics import StreamStats
 from harness.peers import LlamaTools, Skipped
 from harness.results import BENCH_SCRIPT
-
-from edgebus.errors import EdgebusError
-from edgebus.model_import import bundled_gguf
 
 # Tokens the real-server tests generate: enough for an inter-token latency, few enough to
 # keep each test to seconds.
