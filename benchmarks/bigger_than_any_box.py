@@ -41,8 +41,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from edgebus.bench.metrics import Trace, load_stats, stream_stats
-from edgebus.bench.peers import (
+from edgebus.core.errors import EdgebusError
+from edgebus.core.processes import proc_status_bytes
+from edgebus.rehearse import Options, Rehearsal, Workload, one_box_variant
+from edgebus.rehearse.report import Prediction, predict
+from edgebus.rehearse.workload import Client, Measurement, measure, wait_online
+from harness.metrics import Trace, load_stats, stream_stats
+from harness.peers import (
     LlamaServer,
     LlamaTools,
     closed_loop,
@@ -51,11 +56,6 @@ from edgebus.bench.peers import (
     rpc_server_argv,
     server_argv,
 )
-from edgebus.core.errors import EdgebusError
-from edgebus.core.processes import proc_status_bytes
-from edgebus.rehearse import Options, Rehearsal, Workload, one_box_variant
-from edgebus.rehearse.report import Prediction, predict
-from edgebus.rehearse.workload import Client, Measurement, measure, wait_online
 from node_agent.costs import model_costs, profiled_model
 from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes
 from plant_config import Plant, load_plant

@@ -26,15 +26,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from edgebus.bench import baseline
-from edgebus.bench.gateway import Gateway, closed_loop
-from edgebus.bench.metrics import Trace, inter_token_latencies, load_stats
-from edgebus.bench.peers import ARRIVAL_SEED
-from edgebus.bench.runner import _plant
-from edgebus.bench.workload import chat_request, request_id
 from edgebus.core.processes import cores
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.model_import import bundled_gguf, ensure_demo_model
+from harness import baseline
+from harness.gateway import Gateway, closed_loop
+from harness.metrics import Trace, inter_token_latencies, load_stats
+from harness.peers import ARRIVAL_SEED
+from harness.runner import _plant
+from harness.workload import chat_request, request_id
 from node_agent.text import prompt_ids
 from plant_config import write_plant
 

@@ -383,28 +383,6 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(args.prompt)
 
 
-def _bench(args: argparse.Namespace) -> None:
-    if args.build_peers:
-        from edgebus.bench.peers import build_tools
-
-        build_tools(jobs=args.build_jobs)
-        return
-    from edgebus.bench.results import DEFAULT_TOKENS, QUICK_TOKENS, BenchSettings
-    from edgebus.bench.runner import run_bench
-
-    tokens = args.tokens if args.tokens is not None else (
-        QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
-    brokers = tuple(name.strip() for name in args.brokers.split(",") if name.strip())
-    weights = tuple(name.strip() for name in args.weights.split(",") if name.strip())
-    unknown = set(weights) - set(get_args(WeightMode))
-    if unknown:
-        raise EdgebusError(f"--weights {args.weights}: {', '.join(sorted(unknown))} is no "
-                           f"weight mode; choose from {', '.join(get_args(WeightMode))}")
-    run_bench(BenchSettings(out=Path(args.out), quick=args.quick, brokers=brokers,
-                            tokens=tokens, weights=weights,
-                            seed_shape=not args.no_seed_shape))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgebus", description="Pipeline-parallel LLM inference for edge boxes, over MQTT.")
@@ -579,30 +557,6 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEMO_PROMPT)
     p.set_defaults(run=_demo)
 
-    p = sub.add_parser("bench", help="measure the pipeline against one-process baselines")
-    p.add_argument("--out", default="docs/benchmarks.md",
-                   help="markdown report to write; the plot goes beside it as .png")
-    p.add_argument("--quick", action="store_true",
-                   help="16 tokens, concurrency 1 and 4, no pinned-stage phase (~2 min)")
-    p.add_argument("--brokers", default="amqtt,mosquitto",
-                   help="comma-separated: amqtt (embedded) and/or mosquitto")
-    p.add_argument("--tokens", type=int,
-                   help="tokens generated per request (default 64, 16 with --quick)")
-    p.add_argument("--weights", default="fp32,int4,gguf",
-                   help="weight modes of the 3-stage pipeline, comma-separated: fp32 runs on "
-                        "every broker, the others on Mosquitto (default fp32,int4,gguf); the "
-                        "pinned-stage phase runs fp32 stages, so only with fp32. "
-                        "`--weights gguf --brokers mosquitto --no-seed-shape`: the llama.cpp "
-                        "plant beside llama.cpp's own tools only")
-    p.add_argument("--no-seed-shape", action="store_true",
-                   help="skip the seed's model shape (DeepSeek-Coder-1.3B, random weights; "
-                        "~5 GB on disk, ~20 min); --quick skips it too")
-    p.add_argument("--build-peers", action="store_true",
-                   help="build llama.cpp's server and RPC tools (the peers the bench compares "
-                        "with) into $EDGEBUS_HOME/llama.cpp/ and exit; ~24 min on 2 cores")
-    p.add_argument("--build-jobs", type=int, metavar="N",
-                   help="compile jobs for --build-peers (default: one per usable core)")
-    p.set_defaults(run=_bench)
     return parser
 
 

@@ -22,8 +22,8 @@ import numpy as np
 from dev_tools import dev_tool
 from tiny_models import build_tiny
 
-from edgebus.bench.peers import convert_hf, llama_source
 from edgebus.core.paths import GGUF_FILE
+from harness.peers import convert_hf, llama_source
 
 # The pre-tokenizer of SmolLM2's tokenizer, which the tiny models borrow: the converter
 # knows it by the hash of the Hub's copy, which an import through transformers changes.
@@ -96,4 +96,5 @@ def tiny_random_gguf(family: str, file_type: str, dest: Path) -> Path:
     """A tiny model of `family` (TINY_SHAPES) written by tools/random_gguf.py as `dest`."""
     tool = random_gguf_tool()
     real, changes = TINY_SHAPES[family]
-    return tool.write(dataclasses.replace(tool.SHAPES[real], **changes), file_type, dest)
+    written: Path = tool.write(dataclasses.replace(tool.SHAPES[real], **changes), file_type, dest)
+    return written

@@ -1,4 +1,5 @@
-"""`edgebus bench`'s pure parts: the metric arithmetic and the report, on given numbers.
+"""The bench's pure parts (benchmarks/harness/): the metric arithmetic and the report, on given
+numbers.
 
 Nothing here is timed and nothing starts a plant: the bench itself is the
 timed run, and its numbers are machine-dependent by nature.
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from edgebus.bench import report, shared_cores, speculation
-from edgebus.bench.metrics import (
+from edgebus.core.processes import proc_status_bytes
+from harness import report, shared_cores, speculation
+from harness.metrics import (
     HopLatency,
     LoadStats,
     StreamStats,
@@ -27,8 +29,8 @@ from edgebus.bench.metrics import (
     stream_stats,
     time_to_first_token,
 )
-from edgebus.bench.peers import PeerRuns, RpcRun, Skipped
-from edgebus.bench.results import (
+from harness.peers import PeerRuns, RpcRun, Skipped
+from harness.results import (
     BenchResult,
     BenchSettings,
     BoxesRun,
@@ -40,10 +42,9 @@ from edgebus.bench.results import (
     TransformersBaseline,
     Wire,
 )
-from edgebus.bench.shared_cores import Floor
-from edgebus.bench.speculation import SpeculationLoad, SpeculationRun
-from edgebus.bench.stage_steps import StageSteps
-from edgebus.core.processes import proc_status_bytes
+from harness.shared_cores import Floor
+from harness.speculation import SpeculationLoad, SpeculationRun
+from harness.stage_steps import StageSteps
 from plant_config import Plant, make_plant
 
 MIB = 1024**2
@@ -364,9 +365,9 @@ def test_the_seed_shape_is_held_to_llama_cpp_with_a_stages_threads(
 def test_a_peer_that_could_not_run_says_why(result: BenchResult) -> None:
     assert result.peers is not None
     missing = dataclasses.replace(result, peers=dataclasses.replace(
-        result.peers, rpc=Skipped("not built: run `edgebus bench --build-peers`")))
+        result.peers, rpc=Skipped("not built: run `python benchmarks/build_peers.py`")))
     markdown = report.render_markdown(missing, None)
-    assert "| llama.cpp RPC | not built: run `edgebus bench --build-peers` |" in markdown
+    assert "| llama.cpp RPC | not built: run `python benchmarks/build_peers.py` |" in markdown
     assert _verdicts(markdown)["single stream, gguf, 3 stages over mosquitto, vs llama.cpp RPC "
                                "(rpc-servers)"] == ("n/a", "n/a")
 
@@ -411,7 +412,7 @@ def test_quick_run_reports_what_it_skipped(result: BenchResult) -> None:
         ("n/a", "n/a")
     assert verdicts[BOXES] == ("n/a", "n/a")
     assert "Not measured (`--quick`)" in markdown
-    assert "edgebus bench --out" in markdown and "--quick" in markdown
+    assert "python benchmarks/pipeline_vs_peers.py --out" in markdown and "--quick" in markdown
     assert "Skipped: matplotlib is not installed" in markdown
 
 
@@ -429,7 +430,7 @@ def test_the_weight_mode_table_is_copied_in_when_it_was_measured(result: BenchRe
 
 def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
     markdown = report.render_markdown(result, "benchmarks.png")
-    assert f"edgebus bench --out {result.settings.out}\n" in markdown
+    assert f"python benchmarks/pipeline_vs_peers.py --out {result.settings.out}\n" in markdown
     assert "| CPU | AMD EPYC |" in markdown
     assert "stages hold layers [0, 10), [10, 20), [20, 30)" in markdown
     assert "| llama.cpp (Q4_1 GGUF), single stream | not measured (see Notes) |" in markdown
@@ -465,11 +466,11 @@ def test_markdown_has_every_section_and_row(result: BenchResult) -> None:
 def test_command_repeats_the_run() -> None:
     settings = BenchSettings(out=Path("docs/benchmarks.md"), quick=True, brokers=("mosquitto",),
                              tokens=16)
-    assert settings.command() == ("edgebus bench --out docs/benchmarks.md --quick "
-                                  "--brokers mosquitto")
+    assert settings.command() == ("python benchmarks/pipeline_vs_peers.py --out docs/benchmarks.md "
+                                  "--quick --brokers mosquitto")
     assert dataclasses.replace(settings, quick=False, brokers=("amqtt", "mosquitto"),
                                tokens=32).command() == \
-        "edgebus bench --out docs/benchmarks.md --tokens 32"
+        "python benchmarks/pipeline_vs_peers.py --out docs/benchmarks.md --tokens 32"
 
 
 def test_a_run_without_fp32_skips_the_pinned_stage_phase_and_says_why(

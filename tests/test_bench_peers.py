@@ -1,8 +1,8 @@
 """The bench's llama.cpp peers: finding the cached build, the command lines, the child process
 that keeps a llama.cpp crash out of the bench, and (where the tools are built) a real server.
 
-Nothing here builds llama.cpp: that is `edgebus bench --build-peers`, ~24 minutes, never in
-CI. The tests that run llama.cpp's own tools are skipped where the cache has none.
+Nothing here builds llama.cpp: that is `python benchmarks/build_peers.py`, ~24 minutes, never
+in CI. The tests that run llama.cpp's own tools are skipped where the cache has none.
 """
 
 from __future__ import annotations
@@ -11,25 +11,29 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
+from dev_tools import ROOT
 
-from edgebus.bench import peers, seed_model
-from edgebus.bench.metrics import StreamStats
-from edgebus.bench.peers import LlamaTools, Skipped
-from edgebus.cli import build_parser
 from edgebus.core.errors import EdgebusError
 from edgebus.model_import import bundled_gguf
+from harness import peers, seed_model
+from harness.metrics import StreamStats
+from harness.peers import LlamaTools, Skipped
+from harness.results import BENCH_SCRIPT
 
 # Tokens the real-server tests generate: enough for an inter-token latency, few enough to
 # keep each test to seconds.
 REAL_TOKENS = 4
 # A short prompt of SmolLM2 token ids (any ids will do: only timing and counts are checked).
 REAL_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 28, 7018, 411]
+# A bound on a bench script that hangs while importing (torch and transformers), not a timing.
+SCRIPT_TIMEOUT_S = 300.0
 
 SS_OUTPUT = """\
 0      0      127.0.0.1:41001      127.0.0.1:52312
@@ -78,7 +82,7 @@ def test_missing_tools_skip_with_the_command_that_builds_them(home: Path) -> Non
     found = peers.find_tools()
     assert isinstance(found, Skipped)
     assert found.reason == peers.NOT_BUILT
-    assert "edgebus bench --build-peers" in found.reason and "24 minutes" in found.reason
+    assert "python benchmarks/build_peers.py" in found.reason and "24 minutes" in found.reason
 
 
 def test_a_half_built_cache_is_not_found(home: Path) -> None:
@@ -104,7 +108,7 @@ def test_a_complete_cache_is_found_and_a_missing_binary_says_what_to_do(home: Pa
     (root / "build" / "bin" / "ggml-rpc-server").unlink()
     missing = peers.find_tools()
     assert isinstance(missing, Skipped)
-    assert "ggml-rpc-server" in missing.reason and "--build-peers" in missing.reason
+    assert "ggml-rpc-server" in missing.reason and peers.BUILD_COMMAND in missing.reason
 
 
 def test_build_returns_a_complete_cache_without_building(home: Path) -> None:
@@ -167,10 +171,23 @@ def test_the_build_uses_the_flags_the_issue_names() -> None:
                                   "llama-quantize"}
 
 
-def test_bench_parser_has_build_peers() -> None:
-    args = build_parser().parse_args(["bench", "--build-peers", "--build-jobs", "2"])
-    assert args.build_peers and args.build_jobs == 2
-    assert not build_parser().parse_args(["bench"]).build_peers
+def _bench_script(*argv: str) -> subprocess.CompletedProcess[str]:
+    """A script of benchmarks/ run as its docs say, from the repository's root."""
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=SCRIPT_TIMEOUT_S, check=False)
+
+
+def test_the_build_script_starts_from_a_checkout() -> None:
+    built = _bench_script(*peers.BUILD_COMMAND.split()[1:], "--help")
+    assert built.returncode == 0, built.stderr
+    assert "--jobs N" in built.stdout
+
+
+def test_the_bench_refuses_a_weight_mode_that_is_none_before_measuring() -> None:
+    bench = _bench_script(BENCH_SCRIPT, "--weights", "gguf,fp8", "--quick")
+    assert bench.returncode == 1
+    assert "fp8 is no weight mode; choose from fp32" in bench.stderr
+    assert "phases" not in bench.stdout
 
 
 def test_server_command_line(tmp_path: Path) -> None:
@@ -322,6 +339,7 @@ def test_real_server_is_gone_after_its_context(tmp_path: Path) -> None:
     assert tools is not None
     with pytest.raises(RuntimeError), peers.llama_server(
             tools, bundled_gguf(), threads=1, slots=1, context=256, logs=tmp_path) as server:
+        assert isinstance(server.process, peers.ToolProcess)
         pid = server.process.pid
         raise RuntimeError("Ctrl-C, or a failed measurement")
     with pytest.raises(ProcessLookupError):

@@ -280,7 +280,7 @@ def test_unsupported_architecture_fails_as_without_the_flag(tmp_path: Path) -> N
 
 @pytest.fixture(scope="session")
 def smollm2_kept() -> Path:
-    """The demo model imported with its blocks kept, where `edgebus bench` keeps it (beside
+    """The demo model imported with its blocks kept, where the bench keeps it (beside
     smollm2_dir): the import (~45 s of both cores) is paid once per machine, not per worker."""
     return ensure_demo_model(progress=False, keep_quantized=True)
 

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker.mosquitto import MosquittoProcess
-from edgebus.bench import peers
-from edgebus.bench.gateway import Gateway, closed_loop
-from edgebus.bench.metrics import LoadStats, StreamStats, Trace, load_stats, stream_stats
-from edgebus.bench.workload import chat_request, request_id
 from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import ChatMessage, GenerateRequest
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
+from harness import peers
+from harness.gateway import Gateway, closed_loop
+from harness.metrics import LoadStats, StreamStats, Trace, load_stats, stream_stats
+from harness.workload import chat_request, request_id
 from node_agent.text import prompt_ids
 from plant_config import Plant, write_plant
 from plant_config.schema import Speculation

@@ -1,6 +1,6 @@
 """What makes a stage's forward pass faster on a CPU: each variant measured side by side.
 
-    python -m edgebus.bench.compute [--out docs/stage-compute.md]
+    python benchmarks/stage_compute.py [--out docs/stage-compute.md]
 
 The whole demo model runs as one stage (`TorchEngine`), decode steps at batch 1
 and 8 after a 64-token prompt, with fp32 as the baseline of the same run.
@@ -109,7 +109,7 @@ def main() -> None:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     args.out.write_text(
         "# What makes a stage faster on a CPU\n\n"
-        f"Measured by `python -m edgebus.bench.compute` on {stamp}, "
+        f"Measured by `python benchmarks/stage_compute.py` on {stamp}, "
         f"{torch.get_num_threads()} torch threads, the whole SmolLM2-135M-Instruct as one "
         f"stage, decode steps after a {PROMPT_TOKENS}-token prompt.\n\n"
         f"{table}\n\n"

@@ -1,7 +1,7 @@
-"""The peers `edgebus bench` compares with: llama.cpp's own tools, built once into a cache.
+"""The peers the bench compares with: llama.cpp's own tools, built once into a cache.
 
-llama.cpp's server and RPC tools do not ship in any wheel, so `edgebus bench
---build-peers` builds them from the source vendored in the llama-cpp-python
+llama.cpp's server and RPC tools do not ship in any wheel, so BUILD_COMMAND
+(benchmarks/build_peers.py) builds them from the source vendored in the llama-cpp-python
 sdist of the installed version, into `$EDGEBUS_HOME/llama.cpp/<version>/`:
 
     <version>/src/            the vendored llama.cpp (convert_hf_to_gguf.py, gguf-py)
@@ -10,7 +10,7 @@ sdist of the installed version, into `$EDGEBUS_HOME/llama.cpp/<version>/`:
 
 The build runs in a hidden `.<version>.partial` directory beside it and is
 renamed into place only once complete, so a killed build never looks usable;
-the next `--build-peers` resumes it.
+the next build resumes it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
-from edgebus.bench.metrics import (
+from edgebus.core.errors import EdgebusError
+from edgebus.core.locks import exclusive
+from edgebus.core.paths import edgebus_home
+from edgebus.core.processes import LOOPBACK, child_setup, free_port
+from harness.metrics import (
     LoadStats,
     StreamStats,
     Trace,
@@ -51,10 +55,6 @@ from edgebus.bench.metrics import (
     marginal_rate,
     stream_stats,
 )
-from edgebus.core.errors import EdgebusError
-from edgebus.core.locks import exclusive
-from edgebus.core.paths import edgebus_home
-from edgebus.core.processes import LOOPBACK, child_setup, free_port
 
 T = TypeVar("T")
 
@@ -79,7 +79,8 @@ CMAKE_OPTIONS = (
 )
 # What the build takes on 2 cores, measured; said up front so nobody kills it as hung.
 BUILD_MINUTES = 24
-NOT_BUILT = (f"not built: run `edgebus bench --build-peers` (about {BUILD_MINUTES} minutes)")
+BUILD_COMMAND = "python benchmarks/build_peers.py"
+NOT_BUILT = f"not built: run `{BUILD_COMMAND}` (about {BUILD_MINUTES} minutes)"
 MARKER_FILE = "build.json"
 # Bump when the cache layout or the build's options change, so old caches get rebuilt.
 _CACHE_FORMAT = 1
@@ -151,7 +152,7 @@ def find_tools(home: Path | None = None) -> LlamaTools | Skipped:
     missing = [name for name in TARGETS if not os.access(tools.binary(name), os.X_OK)]
     if missing or not tools.converter.is_file():
         return Skipped(f"{root} lacks {', '.join(missing) or tools.converter.name}: delete it "
-                       "and run `edgebus bench --build-peers` again")
+                       f"and run `{BUILD_COMMAND}` again")
     return tools
 
 
@@ -189,7 +190,7 @@ def build_tools(*, jobs: int | None = None, home: Path | None = None,
                                "apt-get install cmake build-essential")
     final = tools_dir(llama_version, home)
     final.parent.mkdir(parents=True, exist_ok=True)
-    # One build per version at a time: a second `--build-peers` waits for the first.
+    # One build per version at a time: a second build waits for the first.
     lock = final.parent / f".{llama_version}.lock"
     with exclusive(lock, waiting=lambda: print(f"another build holds {lock}; waiting for it",
                                                file=out, flush=True)):
@@ -200,7 +201,7 @@ def build_tools(*, jobs: int | None = None, home: Path | None = None,
             return found
         if final.exists():
             raise EdgebusError(f"{final} exists but is not a complete build: delete it and run "
-                               "`edgebus bench --build-peers` again")
+                               f"`{BUILD_COMMAND}` again")
         partial = final.with_name(f".{llama_version}.partial")
         started = time.monotonic()
         print(f"building llama.cpp's tools for llama-cpp-python {llama_version} in {partial} "
@@ -312,7 +313,7 @@ WARMUP_REQUESTS = 1
 # request that does not fit its slot, and rounding up keeps KV sizes regular.
 _CONTEXT_ROUND = 256
 # Closed-loop clients start at seeded random offsets, as the pipeline's do
-# (edgebus.bench.runner.ARRIVAL_SEED), so both see the same arrivals.
+# (harness.runner.ARRIVAL_SEED), so both see the same arrivals.
 ARRIVAL_SEED = 20240611
 # Independent arrivals: each client starts somewhere in this window (gateway.ARRIVAL_SPREAD_S).
 ARRIVAL_SPREAD_S = 0.25
@@ -340,7 +341,7 @@ class ToolProcess:
                                               preexec_fn=child_setup())
             except OSError as exc:
                 raise EdgebusError(f"cannot start {self.argv[0]}: {exc.strerror}: run "
-                                   "`edgebus bench --build-peers` again") from exc
+                                   f"`{BUILD_COMMAND}` again") from exc
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -374,7 +375,7 @@ class ToolProcess:
             ended = f"killed by {_signal_name(-code)}"
             if -code == signal.SIGILL:
                 ended += (" (an instruction this CPU does not execute: rebuild with "
-                          "`edgebus bench --build-peers` on this machine)")
+                          f"`{BUILD_COMMAND}` on this machine)")
         else:
             ended = f"exited with {code}"
         try:
@@ -597,7 +598,7 @@ def _check_gguf(gguf: Path) -> None:
 def closed_loop(server: LlamaServer, ids: Sequence[int], tokens: int, *, concurrency: int,
                 requests_each: int, seed: int = ARRIVAL_SEED) -> list[Trace]:
     """`concurrency` clients, each sending its next request when its last is answered, starting
-    at seeded offsets in the first ARRIVAL_SPREAD_S: edgebus.bench.gateway.closed_loop's
+    at seeded offsets in the first ARRIVAL_SPREAD_S: harness.gateway.closed_loop's
     arrivals, over HTTP. One thread per client: each waits on its socket."""
     rng = random.Random(seed)
     offsets = [rng.uniform(0.0, ARRIVAL_SPREAD_S) for _ in range(concurrency)]
@@ -933,6 +934,10 @@ def llama_source(home: Path | None = None, out: TextIO = sys.stdout) -> Path:
     return final / "src"
 
 
+# Runs the converter in a child process: it imports its own gguf-py, not the installed gguf.
+CONVERTER = Path(__file__).with_name("converter.py")
+
+
 def convert_hf(source: Path, model_dir: Path, target: Path, *, log: Path,
                outtype: str = "f16", pre_tokenizer: str | None = None) -> None:
     """`model_dir` (an HF directory) written to `target` as a GGUF of `outtype` by llama.cpp's
@@ -941,7 +946,7 @@ def convert_hf(source: Path, model_dir: Path, target: Path, *, log: Path,
     another's tokenizer); llama.cpp tokenizes nothing in a stage, so it only has to load."""
     pin = ["--pre-tokenizer", pre_tokenizer] if pre_tokenizer else []
     _atomic_output(target, lambda tmp: _run(
-        [sys.executable, "-m", "edgebus.bench.converter", *pin, str(source), "--",
+        [sys.executable, str(CONVERTER), *pin, str(source), "--",
          str(model_dir), "--outtype", outtype, "--outfile", str(tmp)], log,
         what=f"converting {model_dir} to GGUF (convert_hf_to_gguf.py)"))
 

@@ -1,6 +1,6 @@
 """Run llama.cpp's convert_hf_to_gguf.py from a vendored source tree, as a child process.
 
-    python -m edgebus.bench.converter [--pre-tokenizer NAME] SOURCE -- CONVERTER-ARGS...
+    python benchmarks/harness/converter.py [--pre-tokenizer NAME] SOURCE -- CONVERTER-ARGS...
 
 `--pre-tokenizer` names the pre-tokenizer of a tokenizer the converter does
 not recognise by its hash (a random test model borrowing SmolLM2's tokenizer,
@@ -16,7 +16,7 @@ import sys
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m edgebus.bench.converter")
+    parser = argparse.ArgumentParser(prog="python benchmarks/harness/converter.py")
     parser.add_argument("source", help="the vendored llama.cpp: convert_hf_to_gguf.py, gguf-py")
     parser.add_argument("--pre-tokenizer")
     parser.add_argument("args", nargs=argparse.REMAINDER)

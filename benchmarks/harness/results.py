@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgebus.bench.metrics import HopLatency, LoadStats, StreamStats
+from harness.metrics import HopLatency, LoadStats, StreamStats
 from plant_config.schema import WeightMode
 
 if TYPE_CHECKING:
-    from edgebus.bench.peers import PeerRuns, Skipped
-    from edgebus.bench.shared_cores import Floor
-    from edgebus.bench.speculation import SpeculationLoad, SpeculationRun
-    from edgebus.bench.stage_steps import StageSteps
+    from harness.peers import PeerRuns, Skipped
+    from harness.shared_cores import Floor
+    from harness.speculation import SpeculationLoad, SpeculationRun
+    from harness.stage_steps import StageSteps
 
 BROKERS = ("amqtt", "mosquitto")
 # The pipeline's weight modes: fp32 (torch, the exact reference) on every broker, and the
@@ -26,6 +26,8 @@ FULL_CONCURRENCY, QUICK_CONCURRENCY = (1, 4, 8, 16), (1, 4)
 # Concurrency of the "boxes add throughput" phase: enough requests to keep two stages busy.
 BOXES_CONCURRENCY = (4, 8)
 DEFAULT_TOKENS, QUICK_TOKENS = 64, 16
+# The bench's command, from the repository's root: docs/benchmarks.md says how to repeat a run.
+BENCH_SCRIPT = "benchmarks/pipeline_vs_peers.py"
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class BenchSettings:
     def command(self) -> str:
         """The command line that repeats this run."""
         default = QUICK_TOKENS if self.quick else DEFAULT_TOKENS
-        parts = ["edgebus", "bench", "--out", str(self.out)]
+        parts = ["python", BENCH_SCRIPT, "--out", str(self.out)]
         parts += ["--quick"] if self.quick else []
         parts += [] if self.brokers == BROKERS else ["--brokers", ",".join(self.brokers)]
         parts += [] if self.tokens == default else ["--tokens", str(self.tokens)]

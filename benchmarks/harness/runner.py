@@ -1,4 +1,4 @@
-"""`edgebus bench`: every phase in order, each plant started as real processes, then the report.
+"""The bench: every phase in order, each plant started as real processes, then the report.
 
 Phases: the one-process baselines (transformers, llama.cpp, an idle agent's
 memory), the 3-stage pipeline on each broker, and, without --quick,
@@ -27,7 +27,13 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from broker.mosquitto import MosquittoProcess, mosquitto_version
-from edgebus.bench import (
+from edgebus.core.errors import EdgebusError
+from edgebus.core.messages import GenerateRequest
+from edgebus.core.paths import GGUF_FILE
+from edgebus.core.processes import LOOPBACK, free_port, idle_agent_rss
+from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses, shared_groups, shared_threads
+from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
+from harness import (
     baseline,
     peers,
     roofline,
@@ -36,8 +42,8 @@ from edgebus.bench import (
     speculation,
     stage_steps,
 )
-from edgebus.bench.gateway import Gateway, Sniffer, broker_hop, closed_loop
-from edgebus.bench.metrics import (
+from harness.gateway import Gateway, Sniffer, broker_hop, closed_loop
+from harness.metrics import (
     LoadStats,
     StreamStats,
     counter_delta,
@@ -48,8 +54,8 @@ from edgebus.bench.metrics import (
     stream_stats,
     time_to_first_token,
 )
-from edgebus.bench.report import write_report
-from edgebus.bench.results import (
+from harness.report import write_report
+from harness.results import (
     BOXES_CONCURRENCY,
     BROKERS,
     BenchResult,
@@ -61,13 +67,7 @@ from edgebus.bench.results import (
     SeedShapeRun,
     Wire,
 )
-from edgebus.bench.workload import chat_request, long_prompt, long_request, request_id
-from edgebus.core.errors import EdgebusError
-from edgebus.core.messages import GenerateRequest
-from edgebus.core.paths import GGUF_FILE
-from edgebus.core.processes import LOOPBACK, free_port, idle_agent_rss
-from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses, shared_groups, shared_threads
-from edgebus.model_import import DEMO_MODEL_NAME, bundled_gguf, ensure_demo_model
+from harness.workload import chat_request, long_prompt, long_request, request_id
 from node_agent.costs import model_costs
 from node_agent.engines.onnx_engine import prepare_graphs
 from node_agent.engines.tuning import cpu_model
@@ -146,7 +146,7 @@ def run_bench(settings: BenchSettings) -> BenchResult:
     gguf_steps = "gguf" in settings.weights
     phases = (5 + len(runs) + (3 if settings.boxes else 0) + (1 if seed else 0)
               + (3 if gguf_steps else 0))
-    print(f"edgebus bench on {machine.cpu}: {phases} phases; plant files and agent logs in "
+    print(f"the bench on {machine.cpu}: {phases} phases; plant files and agent logs in "
           f"{workdir}", flush=True)
     with tqdm(total=phases, unit="phase", file=sys.stdout) as bar:
         with _phase(bar, "baseline: transformers"):

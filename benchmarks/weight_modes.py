@@ -1,6 +1,6 @@
 """Engines and weight modes side by side: speed, memory and quality of each.
 
-    python -m edgebus.bench.weights [--out docs/weight-modes.md]
+    python benchmarks/weight_modes.py [--out docs/weight-modes.md]
 
 The whole demo model (SmolLM2-135M-Instruct) runs as one stage in each
 variant (an engine and a weight mode, node_agent/engines/), on one thread:
@@ -271,7 +271,7 @@ def _document(results: list[VariantResult], stamp: str, load: float, text_tokens
         "A stage's weights can be kept in fp32 (the default), bf16, int8 or int4, and run by "
         "the torch or the onnxruntime engine; the plant file chooses per node (`weights:` and "
         "`engine:` in [plant-file.md](plant-file.md), or `edgebus init ... --weights`). "
-        f"Measured by `python -m edgebus.bench.weights` on {stamp} on {cpu_model()}, "
+        f"Measured by `python benchmarks/weight_modes.py` on {stamp} on {cpu_model()}, "
         f"{THREADS} thread, the whole SmolLM2-135M-Instruct as one stage (load average "
         f"{load:.1f} on {os.cpu_count()} cores when it started: compare tok/s within the "
         "table, not across runs).\n\n"
@@ -315,7 +315,7 @@ def _document(results: list[VariantResult], stamp: str, load: float, text_tokens
         "quantizes activations to 8 bits per tensor, and torch.ao.quantization is "
         "deprecated). For int4 on torch, `aten._weight_int4pack_mm_for_cpu` was only ~1.3x "
         "faster than the int8 kernel per matmul here.\n\n"
-        "Reproduce: `python -m edgebus.bench.weights` (about 10 minutes on an idle 2-core "
+        "Reproduce: `python benchmarks/weight_modes.py` (about 10 minutes on an idle 2-core "
         "box; the demo model is imported on first use, and the first load of each "
         "onnxruntime variant builds its graphs).\n")
 

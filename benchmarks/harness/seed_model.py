@@ -8,8 +8,7 @@ QUANT_TYPES; the torch and onnxruntime stages run the import of the Q8_0 one
 it). This replaces a random fp32 checkpoint converted by llama.cpp's converter
 and llama-quantize, which took 20 minutes.
 
-The tool is developer tooling outside the installed packages: the bench finds
-it in the source tree it runs from (TOOL), and says so where it is missing.
+The tool lies beside the bench in the source tree (TOOL).
 Everything is cached in `$EDGEBUS_HOME/models/`, named with SEED_FORMAT.
 """
 
@@ -20,11 +19,11 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from edgebus.bench.peers import _run
 from edgebus.core.errors import EdgebusError
 from edgebus.core.locks import exclusive
 from edgebus.core.paths import GGUF_FILE, edgebus_home
 from edgebus.model_import import MARKER_FILE, import_gguf
+from harness.peers import _run
 
 SEED_MODEL_NAME = "deepseek-coder-1.3b-shape"
 # tools/random_gguf.py's name for the shape (its SHAPES: DeepSeek-Coder-1.3B's config.json).
@@ -51,9 +50,6 @@ def seed_gguf(quant: str, *, home: Path | None = None, out: TextIO = sys.stdout)
     target = folder / f"{SEED_MODEL_NAME}.v{SEED_FORMAT}.{quant}.gguf"
     if target.is_file():
         return target
-    if not TOOL.is_file():
-        raise EdgebusError(f"the seed's model is written by {TOOL}, which this installation "
-                           "lacks: run the bench from a checkout of the edgebus repository")
     folder.mkdir(parents=True, exist_ok=True)
     # Bench runs that need it at once write it once, in turns (the tool renames into place).
     with exclusive(folder / f".{target.name}.lock"):

@@ -24,17 +24,17 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from edgebus.bench.metrics import (
+from edgebus.core.errors import EdgebusError
+from edgebus.core.processes import proc_status_bytes
+from harness.metrics import (
     StreamStats,
     Trace,
     stream_stats,
     time_to_first_token,
 )
-from edgebus.bench.peers import Skipped, llama_cpp_python_single
-from edgebus.bench.results import OneCoreBaseline, TransformersBaseline
-from edgebus.bench.workload import chat_request, long_request
-from edgebus.core.errors import EdgebusError
-from edgebus.core.processes import proc_status_bytes
+from harness.peers import Skipped, llama_cpp_python_single
+from harness.results import OneCoreBaseline, TransformersBaseline
+from harness.workload import chat_request, long_request
 from node_agent.checkpoint import tensor_locations
 from node_agent.text import prompt_ids
 

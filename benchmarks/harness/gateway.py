@@ -21,12 +21,12 @@ from typing import Self
 
 import aiomqtt
 
-from edgebus.bench.metrics import P99, HopLatency, Trace, percentile
 from edgebus.core.client import NODELAY
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse, StreamDelta
 from edgebus.core.statuses import StatusReader
+from harness.metrics import P99, HopLatency, Trace, percentile
 from plant_config import Plant
 
 log = logging.getLogger(__name__)
