@@ -33,6 +33,7 @@ import platform
 import re
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -183,6 +184,7 @@ def _measured(m: Measurement) -> dict[str, Any]:
             "decode_tok_s": m.decode_tok_s, "tok_s": m.tokens / m.wall_s if m.wall_s else None,
             "errors": m.errors,
             "steps": {box: after.steps - before.steps for box, (before, after) in m.boxes.items()},
+            "rows": {box: after.rows - before.rows for box, (before, after) in m.boxes.items()},
             "step_ms": {box: (after.compute_s - before.compute_s) * 1000
                         / max(1.0, after.steps - before.steps)
                         for box, (before, after) in m.boxes.items()},
@@ -207,6 +209,10 @@ async def _plant_phases(rehearsal: Rehearsal, tokens: int, concurrency: int,
         many = await measure(rehearsal, client, Workload(concurrency, tokens, PROMPT), "c-")
         result["concurrent"] = _measured(many)
         say(f"plant, {concurrency} requests: {many.decode_tok_s:.2f} tok/s")
+        responses = client.observer.responses
+        result["answers"] = [responses[f"{prefix}{i}"].tokens
+                             for prefix, count in (("s-", 1), ("c-", concurrency))
+                             for i in range(count)]
         result.update(memory_report(rehearsal))
 
 
@@ -223,6 +229,17 @@ def run_plant(plant: Plant, options: Options, workdir: Path, tokens: int,
     result["shares"] = stage_shares(plant)
     result["layers"] = {spec.node: list(spec.layers) for spec in plant.stages}
     return result
+
+
+def whole_answer(plant_path: Path, tokens: int) -> list[int]:
+    """llama.cpp's answer to PROMPT with the whole GGUF, in a process of its own outside
+    every box (tools/whole_answer.py): what each of the plant's answers must equal."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "whole_answer.py"
+    out = subprocess.run([sys.executable, str(tool), str(plant_path), "--prompt", PROMPT,
+                          "--tokens", str(tokens), "--ignore-eos"],
+                         check=True, capture_output=True, text=True)
+    answer: list[int] = json.loads(out.stdout)
+    return answer
 
 
 def run_one_box(plant: Plant, options: Options, workdir: Path, box: str) -> dict[str, Any]:
@@ -461,14 +478,13 @@ def render(results: dict[str, Any]) -> str:
     """The section, from `results` as main() saved them."""
     m = results["machine"]
     plant, rpc, dl = results.get("plant", {}), results.get("rpc", {}), results.get("dllama", {})
-    lines = [SECTION, "",
+    lines = [heading(results), "",
              f"{results['model']}, on the plant file's boxes rehearsed on one machine "
              f"({m['cpu']}, {m['cores']} vCPUs shared with other work: load average "
              f"{m['load_before']:.1f} at the start, {m.get('load_after', 0):.1f} at the end; "
              f"{m['date']}). Made by `{results['command']}`; every system in turn on the "
              f"same CPU quotas and memory limits, each started from a cold page cache. "
-             f"{results['tokens']} generated tokens per request, kept short because an 8B "
-             "decode on fractions of two shared cores takes seconds a token.", ""]
+             f"{results['tokens']} generated tokens per request.", ""]
     if results.get("note"):  # how the results were put together, where not by one run
         lines += [results["note"], ""]
     boxes = plant.get("boxes") or rpc.get("boxes") or {}
@@ -504,6 +520,10 @@ def render(results: dict[str, Any]) -> str:
     row("bytes on the wire per decode token", _f(wire and wire / 1024, 1, " KiB"), "-",
         _f(rpc.get("wire_bytes_per_token") and rpc["wire_bytes_per_token"] / 1024, 1, " KiB"),
         _f(ds.get("root_kb_per_token"), 1, " kB (root's sockets)"))
+    exact = plant.get("exact")
+    if exact:
+        row("answers token-exact against llama.cpp whole",
+            f"{exact['equal']} of {exact['answers']}", "-", "-", "-")
     lines += ["", _prompts(results), ""]
     lines += _ratios(results)
     lines += _memory(results)
@@ -602,13 +622,18 @@ def _failures(results: dict[str, Any]) -> list[str]:
     return (["What failed:", "", *lines] if lines and lines[0].startswith("- ") else lines)
 
 
+def heading(results: dict[str, Any]) -> str:
+    """The section's heading: one section per model."""
+    return f"{SECTION} ({results['model'].split()[0]})"
+
+
 def write_section(doc: Path, section: str) -> None:
     text = doc.read_text()
-    start = text.find(SECTION + "\n")
+    start = text.find(section.splitlines()[0] + "\n")
     if start < 0:
         doc.write_text(text.rstrip("\n") + "\n\n" + section)
         return
-    end = text.find("\n## ", start + len(SECTION))
+    end = text.find("\n## ", start + 1)
     doc.write_text(text[:start] + section + ("" if end < 0 else text[end:]))
 
 
@@ -698,6 +723,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             results[name] = steps[name](workdir / name)
             args.out.write_text(json.dumps(results, indent=1) + "\n")  # partial results survive
     results["machine"]["load_after"] = os.getloadavg()[0]
+    answers = results.get("plant", {}).get("answers")
+    if answers:
+        say("== llama.cpp whole, the reference answer")
+        reference = whole_answer(args.plant, args.tokens)
+        results["plant"]["exact"] = {"reference": reference,
+                                     "equal": sum(answer == reference for answer in answers),
+                                     "answers": len(answers)}
     if "plant" in results and not args.no_predict:
         results["plant"]["predicted"] = predictions(plant, options, args.concurrency)
     return results

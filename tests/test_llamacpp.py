@@ -267,6 +267,30 @@ def test_a_stage_file_holds_its_layers_only(smollm2_gguf: Path) -> None:
     assert stage_gguf.stage_file(source, 0, 30, library_version=version) == source
 
 
+def test_another_checkpoint_of_the_same_shape_gets_stage_files_of_its_own(
+        smollm2_gguf: Path, tmp_path: Path) -> None:
+    """Stage files are named by a fingerprint of pieces of the source, not a hash of all of
+    it: a checkpoint whose weights differ, in the same header, must not reuse them."""
+    version = library.library_version()
+    same = shutil.copy2(smollm2_gguf, tmp_path / "same.gguf")  # a copy, mtime kept
+    other = shutil.copy2(smollm2_gguf, tmp_path / "other.gguf")
+    with open(other, "r+b") as f:  # other weights: every byte past the header changed
+        f.seek(stage_gguf.FINGERPRINT_HEAD)
+        rest = np.frombuffer(f.read(), dtype=np.uint8)
+        f.seek(stage_gguf.FINGERPRINT_HEAD)
+        f.write((rest ^ 0x5A).tobytes())
+    os.utime(other, ns=(smollm2_gguf.stat().st_atime_ns, smollm2_gguf.stat().st_mtime_ns))
+    cache = tmp_path / "stages"
+    cut = {path.name: stage_gguf.stage_file(path, 10, 20, library_version=version, cache=cache)
+           for path in (smollm2_gguf, Path(same), Path(other))}
+    assert cut["same.gguf"] == cut[smollm2_gguf.name]  # one cut for the same bytes
+    assert cut["other.gguf"] != cut[smollm2_gguf.name]
+    # A file written again in place (a new mtime) is cut again, whatever its bytes.
+    os.utime(same, ns=(0, smollm2_gguf.stat().st_mtime_ns + 1))
+    assert stage_gguf.stage_file(Path(same), 10, 20, library_version=version,
+                                 cache=cache) != cut["same.gguf"]
+
+
 def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_gguf: Path) -> None:
     """Three stages chained give the whole model's logits bit for bit, for a prompt chunk
     and for decode rows of two requests batched in one call."""

@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aarch64_plant import REQUESTS, ask_all, compare, plant_file, wait_online, whole
+from aarch64_plant import REQUESTS, ask_all, compare, plant_file, wait_online
+from whole_answer import whole
 
 from edgebus.model_import import bundled_gguf
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llama_cpp import Llama
+from whole_answer import whole
 
 from edgebus import status_view
 from edgebus.core.errors import EdgebusError
@@ -29,11 +29,6 @@ from edgebus.core.messages import ChatMessage, GenerateRequest
 from edgebus.core.processes import LOOPBACK, free_port
 from edgebus.model_import import bundled_gguf
 from edgebus.status_view import agent_ids
-from node_agent.coordinator.token_loop import prefill_chunks
-from node_agent.engines.llamacpp import library
-from node_agent.gguf_tokenizer import GgufTokenizer
-from node_agent.model_config import generation_eos
-from node_agent.text import prompt_ids
 from plant_config import Plant, load_plant, make_plant, write_plant
 
 STAGES = 3
@@ -100,29 +95,6 @@ def ask(plant_path: Path, request: GenerateRequest) -> list[int]:
     if out.get("error"):
         sys.exit(f"{request.id}: the plant answered an error: {out['error']}")
     tokens: list[int] = out["tokens"]
-    return tokens
-
-
-def whole(plant: Plant, request: GenerateRequest) -> list[int]:
-    """llama.cpp's greedy answer with the whole GGUF, one request, in this process."""
-    tokenizer = GgufTokenizer(plant.model)
-    ids = prompt_ids(tokenizer, request)
-    tokenizer.close()
-    chunks = prefill_chunks(len(ids), plant.coordinator.prefill_chunk)
-    if len(chunks) != 1:
-        sys.exit(f"{request.id}: a prompt of {len(ids)} tokens is cut into {len(chunks)} "
-                 "chunks, which Llama.generate does not reproduce: use a shorter one")
-    library.llama()  # keeps Llama() off AMX where an x86 CPU faults in it, as the engine is
-    llm = Llama(str(plant.model), n_ctx=512, n_batch=128, n_threads=1, flash_attn=False,
-                verbose=False)
-    eos = generation_eos(plant.model)
-    stop = set(eos) if isinstance(eos, list) else {eos}
-    tokens: list[int] = []
-    for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
-        tokens.append(token)  # the coordinator's answer ends with the end token too
-        if len(tokens) == request.max_tokens or token in stop:
-            break
-    llm.close()
     return tokens
 
 
