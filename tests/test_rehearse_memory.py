@@ -70,6 +70,35 @@ def test_one_box_alone_is_refused_when_it_cannot_hold_the_model(tmp_path: Path) 
 
 @optional.needs(missing(), "a rehearsal")
 @optional.HOST_NETWORK
+def test_a_llama_cpp_stage_in_a_box_too_small_refuses_itself_with_the_numbers(
+        tmp_path: Path) -> None:
+    """The node's own check, inside its box, reads the box's limit: past the rehearsal's
+    check (as `bigger_than_any_box.py` starts a rehearsal), nothing loads and the kernel
+    kills nothing."""
+    plant = make_plant(bundled_gguf(), stages=2, weights="gguf").model_copy(update={
+        "topic_root": f"edgebus-test/{secrets.token_hex(4)}",
+        "boxes": [BoxSpec(name="stage-0", memory_mb=ROOMY_MB),
+                  BoxSpec(name="stage-1", memory_mb=TINY_MB)]})
+
+    async def start() -> None:
+        async with Client(running.plant) as client:
+            await wait_online(running, client, timeout=300)
+
+    with Rehearsal(plant, tmp_path / "rehearse", Options(cpu_total=float(cores())),
+                   progress=print) as running:
+        running.start()
+        with pytest.raises(EdgebusError) as caught:
+            asyncio.run(start())
+        kills = running.groups["stage-1"].oom_kills()
+    message = str(caught.value)
+    assert kills == 0, message
+    assert re.search(rf"stage-1 cannot hold layers \[15, 30\] on this box: it needs \d+ MiB "
+                     rf"\(weights \d+ .*\) and the box has \d+ MiB for it \(its control "
+                     rf"group's limit \({TINY_MB} MiB", message), message
+
+
+@optional.needs(missing(), "a rehearsal")
+@optional.HOST_NETWORK
 def test_a_stage_killed_by_the_oom_killer_is_reported_with_the_numbers(
         tmp_path: Path, smollm2_dir: Path) -> None:
     model = build_tiny("llama", tmp_path / "model", smollm2_dir)

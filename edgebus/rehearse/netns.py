@@ -58,7 +58,7 @@ def missing() -> list[str]:
     if os.geteuid() != 0:
         problems.append("root: network namespaces and veth pairs need CAP_NET_ADMIN — run as "
                         "root (sudo)")
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nsenter", "util-linux")):
         if shutil.which(tool) is None:
             problems.append(f"the `{tool}` command — install {package}")
     if not Path("/proc/self/ns/net").exists():

@@ -3,10 +3,14 @@
 `Rehearsal` is a context manager: whatever `start` built, `stop` takes down
 (processes, control groups, namespaces, the bridge), on a normal exit, an
 exception, Ctrl-C or SIGTERM alike. Each agent is a real OS process, started
-as `ip netns exec NS python -m edgebus ...` and put into its box's control
-group before it runs a line of Python. The plant file the agents read is a
-copy of the user's with the broker's address rewritten to the broker box's
-address on the bridge.
+as `nsenter --net=/run/netns/NS python -m edgebus ...` and put into its box's
+control group before it runs a line of Python. Not `ip netns exec`: that also
+mounts a fresh /sys, without /sys/fs/cgroup, so an agent could not read its
+box's memory limit, took the machine's free memory for its own, and loaded
+what its box could not hold (the OOM killer ended a 9 GB model's stage on a
+4 GiB box, where the stage's own check would have refused it with numbers).
+The plant file the agents read is a copy of the user's with the broker's
+address rewritten to the broker box's address on the bridge.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinato
 from plant_config import Plant, write_plant
 
 MOSQUITTO = "/usr/sbin/mosquitto"
+# Where `ip netns add` keeps a namespace's handle, which nsenter enters.
+NETNS_DIR = "/run/netns"
 # Mosquitto listens within ~25 ms; the margin is for a loaded machine.
 BROKER_START_S = 10.0
 # An agent stops in ~1 s after SIGTERM (it publishes "offline" first).
@@ -263,8 +269,8 @@ class Rehearsal:
         log = (self.workdir / "logs" / f"{name}.log").open("ab")
         with log:
             self.procs[name] = subprocess.Popen(
-                ["ip", "netns", "exec", namespace, *argv], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec)
+                ["nsenter", f"--net={NETNS_DIR}/{namespace}", *argv], stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec)
         self.box_of[name] = box
         self.started_at[name] = time.monotonic()
 
