@@ -15,6 +15,7 @@ from brokers import MosquittoBroker, free_port
 from edgebus.ask import BROKER_WAIT_S, COORDINATOR_WAIT_S
 from edgebus.cli import build_parser, mosquitto_config_parser
 from edgebus.processes import LOOPBACK
+from node_agent.engines.llamacpp.engine import MODEL_GGUF
 from plant_config import CoordinatorSpec, load_plant, make_plant, write_plant
 from plant_config.credentials import password_path
 
@@ -87,6 +88,23 @@ def test_init_whose_reader_left_writes_the_whole_plant_without_a_traceback(
     missing = [i for i in plant.identities()
                if not password_path(plant.security.credentials, i).exists()]
     assert missing == []
+
+
+@pytest.mark.parametrize(("model", "weights"), [("gguf file", "gguf"),
+                                                 ("imported directory", "gguf"),
+                                                 ("safetensors only", "fp32")])
+def test_init_runs_a_gguf_on_llamacpp_and_safetensors_alone_on_torch(
+        tiny_llama: Path, tiny_llama_gguf: Path, tmp_path: Path, model: str,
+        weights: str) -> None:
+    """llama.cpp is the main path: a model with a GGUF (the file, or the directory an import
+    writes, which keeps it as model.gguf) gets llama.cpp stages; torch only without one."""
+    path = {"gguf file": tiny_llama_gguf / MODEL_GGUF, "imported directory": tiny_llama_gguf,
+            "safetensors only": tiny_llama}[model]
+    done = subprocess.run([sys.executable, "-m", "edgebus", "init", str(tmp_path / "p.yaml"),
+                           "--model", str(path), "--insecure"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert {stage.weights for stage in load_plant(tmp_path / "p.yaml").stages} == {weights}
 
 
 def test_init_onto_an_existing_file_refuses_before_profiling_the_model(tmp_path: Path) -> None:
