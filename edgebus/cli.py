@@ -79,8 +79,7 @@ def _init(args: argparse.Namespace) -> None:
           + " (docs/http.md)")
     if not plant.broker.embedded:
         print(f"the broker at {plant.broker.url} must check them: on its box run `edgebus "
-              f"broker mosquitto-config {args.plant} OUTDIR` (docs/deploy.md, 'Securing the "
-              "broker')")
+              f"broker mosquitto-config {args.plant} OUTDIR` (docs/securing-the-broker.md)")
     _warn_if_in_package([security.credentials, *([security.password_file.parent]
                                                   if security.password_file else [])])
 

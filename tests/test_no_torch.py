@@ -2,7 +2,7 @@
 
 The stage agents and the coordinator of a plant whose stages all run the
 llamacpp engine need only llama.cpp, numpy, `tokenizers` and jinja2
-(docs/deploy.md). Two checks: in this venv, which has torch, importing
+(docs/install-a-box.md). Two checks: in this venv, which has torch, importing
 them loads neither; and with torch and transformers made unimportable (a
 directory ahead on PYTHONPATH whose `torch` and `transformers` packages raise
 ImportError, and leave a mark of who imported them), `edgebus up` serves a
