@@ -595,7 +595,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs/benchmarks.md",
                    help="markdown report to write; the plot goes beside it as .png")
     p.add_argument("--quick", action="store_true",
-                   help="16 tokens, concurrency 1 and 4, no pinned-stage phase (~2 min)")
+                   help="16 tokens, concurrency 1 and 4, no pinned-stage phase and no seed "
+                        "shape, but still every --weights mode and --brokers broker and "
+                        "llama.cpp's own tools beside them: 13 min 48 s when tried for issue "
+                        "32 on a 2-core box. Fewer weights and brokers take less")
     p.add_argument("--brokers", default="amqtt,mosquitto",
                    help="comma-separated: amqtt (embedded) and/or mosquitto")
     p.add_argument("--tokens", type=int,
