@@ -628,6 +628,20 @@ def main(argv: list[str] | None = None) -> None:
     except EdgebusError as exc:
         print(f"edgebus: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except ModuleNotFoundError as exc:
+        from node_agent.engines import TORCH_EXTRA_MODULES
+
+        if (exc.name or "").partition(".")[0] not in TORCH_EXTRA_MODULES:
+            raise
+        # A base install (a llama.cpp box) runs every plant command; the torch side of a
+        # few (model import, torch stages' profiles, the bench) says what to install.
+        command = " ".join(filter(None, [args.command, getattr(args, "model_command", None)]))
+        print(f"edgebus: error: `edgebus {command}` needs the `torch` extra here, and "
+              f"{exc.name} is not installed: pip install torch==2.13.0 \"edgebus[torch]\" (on "
+              "aarch64 torch's CPU build comes from PyTorch's own index: README.md). A plant "
+              "on llama.cpp stages needs none of it: `edgebus init --model FILE.gguf` runs "
+              "the GGUF as it is (weights: gguf)", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:

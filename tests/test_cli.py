@@ -135,6 +135,22 @@ def test_a_stage_whose_engine_needs_the_torch_extra_says_so(tiny_llama: Path,
     assert "Traceback" not in done.stderr
 
 
+def test_a_command_that_needs_the_torch_extra_says_so(tiny_llama_gguf: Path,
+                                                      tmp_path: Path) -> None:
+    """`edgebus model import-gguf` on a base install died of ModuleNotFoundError
+    'transformers'. Here transformers is made unimportable (None in sys.modules)."""
+    code = ("import sys; sys.modules['transformers'] = None; from edgebus.cli import main; "
+            f"main(['model', 'import-gguf', {str(tiny_llama_gguf / MODEL_GGUF)!r}, "
+            f"{str(tmp_path / 'imported')!r}])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert ("`edgebus model import-gguf` needs the `torch` extra here, and transformers"
+            in done.stderr)
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "imported").exists()
+
+
 def test_the_help_says_what_the_defaults_are() -> None:
     """`node --threads` is llama.cpp's too; `http --max-in-flight` defaults to the gateway's
     share (client_limit), not the coordinator's whole max_in_flight."""
