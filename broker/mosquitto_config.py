@@ -116,8 +116,7 @@ def write_mosquitto_config(plant: Plant, outdir: Path, *, broker: str | None = N
     security = plant.security
     if security is None:
         raise EdgebusError("the plant file has no security: section, so there are no identities "
-                           "to write a config for — add one (docs/deploy.md, 'Securing the "
-                           "broker')")
+                           "to write a config for — add one (docs/securing-the-broker.md)")
     _check_config_safe(plant)
     if broker is None:
         settings = plant.broker

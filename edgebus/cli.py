@@ -38,8 +38,8 @@ def _init(args: argparse.Namespace) -> None:
 
     gateways = _gateways(args.gateways)
     refuse_to_overwrite(args.plant, force=args.force)  # before --example profiles the model
-    if args.weights is None:  # a GGUF file runs on llama.cpp only (plant_config/schema.py)
-        args.weights = "gguf" if Path(args.model).suffix.lower() == GGUF_SUFFIX else "fp32"
+    if args.weights is None:
+        args.weights = _default_weights(Path(args.model))
     if args.example is not None:
         plant = _init_example(args, gateways)
     else:
@@ -79,10 +79,20 @@ def _init(args: argparse.Namespace) -> None:
           + " (docs/http.md)")
     if not plant.broker.embedded:
         print(f"the broker at {plant.broker.url} must check them: on its box run `edgebus "
-              f"broker mosquitto-config {args.plant} OUTDIR` (docs/deploy.md, 'Securing the "
-              "broker')")
+              f"broker mosquitto-config {args.plant} OUTDIR` (docs/securing-the-broker.md)")
     _warn_if_in_package([security.credentials, *([security.password_file.parent]
                                                   if security.password_file else [])])
+
+
+def _default_weights(model: Path) -> WeightMode:
+    """gguf, llama.cpp running the GGUF's own blocks (the main path: no torch on the box), for
+    a .gguf file and for a directory that holds one as `model import-gguf` leaves it; fp32 on
+    torch for a directory of safetensors alone, which llama.cpp cannot run."""
+    from edgebus.core.paths import GGUF_FILE
+
+    if model.suffix.lower() == GGUF_SUFFIX or (model / GGUF_FILE).is_file():
+        return "gguf"
+    return "fp32"
 
 
 def _warn_if_in_package(folders: list[Path]) -> None:
@@ -393,8 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "example plant split by the planner")
     p.add_argument("plant", help="plant file to write (YAML)")
     p.add_argument("--model", required=True,
-                   help="model directory (HF layout), or a .gguf file, which llama.cpp stages "
-                        "run as it is (weights: gguf)")
+                   help="a .gguf file, which llama.cpp stages run as it is (weights: gguf), "
+                        "or a model directory (HF layout; `edgebus model import-gguf` writes "
+                        "one)")
     p.add_argument("--stages", type=int, help=f"number of stages (default {_DEFAULT_STAGES})")
     p.add_argument("--replicas", type=int,
                    help="nodes per stage; more than 1 gives failover standbys (default 1)")
@@ -406,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topic-root", help="MQTT topic root (default edgebus/<plant id>)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plant file")
     p.add_argument("--weights", choices=get_args(WeightMode),
-                   help="weight mode of every node (default: gguf for a .gguf model, else "
-                        "fp32, the only mode token-exact against transformers; see "
+                   help="weight mode of every node (default: gguf, llama.cpp running the "
+                        "GGUF's own blocks, for a .gguf file or an imported directory, which "
+                        "keeps its GGUF; else fp32 on torch, the exact reference; see "
                         "docs/weight-modes.md)")
     p.add_argument("--drafts", type=int, metavar="N",
                    help="drafts a lone request sends down the pipeline ahead of its token "
@@ -566,6 +578,20 @@ def main(argv: list[str] | None = None) -> None:
         args.run(args)
     except EdgebusError as exc:
         print(f"edgebus: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except ModuleNotFoundError as exc:
+        from node_agent.engines import TORCH_EXTRA_MODULES
+
+        if (exc.name or "").partition(".")[0] not in TORCH_EXTRA_MODULES:
+            raise
+        # A base install (a llama.cpp box) runs every plant command; the torch side of a
+        # few (model import, torch stages' profiles) says what to install.
+        command = " ".join(filter(None, [args.command, getattr(args, "model_command", None)]))
+        print(f"edgebus: error: `edgebus {command}` needs the `torch` extra here, and "
+              f"{exc.name} is not installed: pip install torch==2.13.0 \"edgebus[torch]\" (on "
+              "aarch64 torch's CPU build comes from PyTorch's own index: README.md). A plant "
+              "on llama.cpp stages needs none of it: `edgebus init --model FILE.gguf` runs "
+              "the GGUF as it is (weights: gguf)", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

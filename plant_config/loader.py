@@ -34,10 +34,10 @@ _TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 _HEADER = """\
 # edgebus plant file: which node runs which layers of which model, and where the broker is.
 # Every agent reads this same file; relative paths (model:, security:) are relative to it.
-# model: a model directory, or a .gguf file, which llama.cpp stages (weights: gguf) run as it is.
+# model: a .gguf file, which llama.cpp stages (weights: gguf) run as it is, or a model directory.
 # layers: [first, last + 1] - [0, 10] means layers 0-9. Optional per stage: threads: N.
-# weights: fp32 (token-exact, the default), bf16, int8 or int4 (less memory; docs/weight-modes.md),
-# or gguf: the GGUF's own blocks in llama.cpp, fastest (docs/plant-file.md).
+# weights: gguf, the GGUF's own blocks in llama.cpp, no torch (docs/plant-file.md); or, with the
+# torch extra, fp32 (token-exact against transformers), bf16, int8 or int4 (docs/weight-modes.md).
 # security: every agent, gateway and ops tool logs in as its own identity with the password
 # in credentials/<identity>.password; without it the broker admits anyone (docs/plant-file.md).
 """

@@ -484,7 +484,7 @@ class Plant(_Section):
             raise PlantConfigError(
                 f"security.tls.require_certificate is on, but {identity!r} has no client "
                 f"certificate: {cert_file} and {key_file} must exist — issue them from "
-                f"{tls.cafile} (docs/deploy.md, 'Mutual TLS')")
+                f"{tls.cafile} (docs/securing-the-broker.md, 'Mutual TLS')")
         # A password is never logged: BrokerEndpoint leaves it out of its repr.
         return replace(endpoint, username=identity, password=read_password(credentials, identity),
                        cert_file=cert_file if mutual else None,

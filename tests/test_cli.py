@@ -14,6 +14,7 @@ from brokers import MosquittoBroker, free_port
 
 from edgebus.ask import BROKER_WAIT_S, COORDINATOR_WAIT_S
 from edgebus.cli import build_parser, mosquitto_config_parser
+from edgebus.core.paths import GGUF_FILE
 from edgebus.core.processes import LOOPBACK
 from plant_config import CoordinatorSpec, load_plant, make_plant, write_plant
 from plant_config.credentials import password_path
@@ -89,6 +90,23 @@ def test_init_whose_reader_left_writes_the_whole_plant_without_a_traceback(
     assert missing == []
 
 
+@pytest.mark.parametrize(("model", "weights"), [("gguf file", "gguf"),
+                                                 ("imported directory", "gguf"),
+                                                 ("safetensors only", "fp32")])
+def test_init_runs_a_gguf_on_llamacpp_and_safetensors_alone_on_torch(
+        tiny_llama: Path, tiny_llama_gguf: Path, tmp_path: Path, model: str,
+        weights: str) -> None:
+    """llama.cpp is the main path: a model with a GGUF (the file, or the directory an import
+    writes, which keeps it as model.gguf) gets llama.cpp stages; torch only without one."""
+    path = {"gguf file": tiny_llama_gguf / GGUF_FILE, "imported directory": tiny_llama_gguf,
+            "safetensors only": tiny_llama}[model]
+    done = subprocess.run([sys.executable, "-m", "edgebus", "init", str(tmp_path / "p.yaml"),
+                           "--model", str(path), "--insecure"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert {stage.weights for stage in load_plant(tmp_path / "p.yaml").stages} == {weights}
+
+
 def test_init_onto_an_existing_file_refuses_before_profiling_the_model(tmp_path: Path) -> None:
     """--example profiles the model first (24 s of the bundled one): the refusal comes before,
     so a model that is not there is never even looked at."""
@@ -115,6 +133,22 @@ def test_a_stage_whose_engine_needs_the_torch_extra_says_so(tiny_llama: Path,
     assert "engine onnxruntime (weights: int8) needs the `torch` extra" in done.stderr
     assert 'pip install torch==2.13.0 "edgebus[torch]"' in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_command_that_needs_the_torch_extra_says_so(tiny_llama_gguf: Path,
+                                                      tmp_path: Path) -> None:
+    """`edgebus model import-gguf` on a base install died of ModuleNotFoundError
+    'transformers'. Here transformers is made unimportable (None in sys.modules)."""
+    code = ("import sys; sys.modules['transformers'] = None; from edgebus.cli import main; "
+            f"main(['model', 'import-gguf', {str(tiny_llama_gguf / GGUF_FILE)!r}, "
+            f"{str(tmp_path / 'imported')!r}])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert ("`edgebus model import-gguf` needs the `torch` extra here, and transformers"
+            in done.stderr)
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "imported").exists()
 
 
 def test_the_help_says_what_the_defaults_are() -> None:

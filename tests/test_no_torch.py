@@ -2,11 +2,12 @@
 
 The stage agents and the coordinator of a plant whose stages all run the
 llamacpp engine need only llama.cpp, numpy, `tokenizers` and jinja2
-(docs/deploy.md). Two checks: in this venv, which has torch, importing
+(docs/install-a-box.md). Two checks: in this venv, which has torch, importing
 them loads neither; and with torch and transformers made unimportable (a
 directory ahead on PYTHONPATH whose `torch` and `transformers` packages raise
 ImportError, and leave a mark of who imported them), `edgebus up` serves a
-3-stage plant that answers token for token what llama.cpp answers whole.
+3-stage plant that answers token for token what llama.cpp answers whole, and
+`edgebus demo` answers its question.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ AGENT_MODULES = ("edgebus.cli", "edgebus.launcher", "node_agent.stage",
                  "node_agent.engines.llamacpp.engine", "node_agent.coordinator.agent",
                  "node_agent.gguf_tokenizer", "node_agent.costs", "node_agent.gguf_profile")
 STOP_S = 2 * STOP_GRACE_S + 5.0
+# A bound on a hung demo, not a timing claim: it answered in 9 s here (README.md).
+DEMO_S = READY_S + STOP_S + 60.0
 
 
 def test_a_llamacpp_agents_imports_load_neither_torch_nor_transformers() -> None:
@@ -129,3 +132,20 @@ async def test_a_plant_without_torch_answers_what_llamacpp_answers_whole(
     for request, response in zip(reqs, responses, strict=True):
         assert response.error is None, response.error
         assert response.tokens == reference(smollm2_dir, request), request.id
+
+
+@pytest.mark.slow
+def test_the_demo_answers_without_torch(tmp_path: Path) -> None:
+    """`edgebus demo` as the README runs it first: the bundled GGUF on llama.cpp stages, no
+    model import, on a box where torch and transformers cannot be imported."""
+    path, marks = _blocker(tmp_path / "blocker")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    demo = subprocess.run([sys.executable, "-m", "edgebus", "demo"], capture_output=True,
+                          text=True, env=env, stdin=subprocess.DEVNULL, timeout=DEMO_S)
+    print(demo.stdout, demo.stderr)
+    assert demo.returncode == 0
+    assert {p.name: p.read_text() for p in marks.iterdir()} == {}
+    # The answer the README quotes; the model's own end-of-turn ends it.
+    assert "A programmable logic controller is" in demo.stdout
+    assert "tokens in" in demo.stdout and "(stop)" in demo.stdout

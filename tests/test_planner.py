@@ -228,7 +228,9 @@ def test_init_example_writes_the_planned_plant(
         tmp_path: Path, smollm2_dir: Path, smollm2_costs: ModelCosts,
         capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plant.yaml"
-    main(["init", str(path), "--model", str(smollm2_dir), "--example", "jetson-2pi"])
+    # fp32: the costs compared with are torch's; an imported directory alone gets gguf nodes.
+    main(["init", str(path), "--model", str(smollm2_dir), "--example", "jetson-2pi",
+          "--weights", "fp32"])
     written = load_plant(path)
     planned = example_plant("jetson-2pi", smollm2_dir, smollm2_costs)
     assert written.boxes == planned.boxes and written.stages == planned.stages

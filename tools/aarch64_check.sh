@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The aarch64 check (docs/deploy.md, "Checking aarch64 on an x86 machine"): an arm64
+# The aarch64 check (docs/install-a-box.md, "Checking aarch64 on an x86 machine"): an arm64
 # Debian root filesystem under qemu-user, the pinned llama.cpp cross-built for the Pi 5
-# and the Jetson Orin's CPU, edgebus installed in it without torch as docs/deploy.md
+# and the Jetson Orin's CPU, edgebus installed in it without torch as docs/install-a-box.md
 # tells a Pi, the suite's torch-free tests, then a 3-stage plant of the bundled GGUF
 # under `edgebus up`, held token for token to llama.cpp run whole on the same CPU.
 #
@@ -222,7 +222,7 @@ install_packages() {
             "/check/cache/sdist/$(basename "$SDIST")"
     fi
     in_rootfs sh -c "pip install -q /check/cache/wheels/llama_cpp_python-$PIN-*aarch64*.whl"
-    # As docs/deploy.md tells a Pi, "A box without torch": the base package, with the
+    # As docs/install-a-box.md tells a Pi, "A box without torch": the base package, with the
     # tools the suite needs on it (no torch either).
     in_rootfs pip install -q "/check/src[test-base]"
 }

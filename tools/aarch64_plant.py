@@ -45,7 +45,7 @@ REQUESTS = [
                     max_tokens=MAX_TOKENS),
 ]
 # Under qemu-user a core runs ~20x slower than the host's: the agents took ~80 s to come
-# online and decoded ~1 token/s (docs/deploy.md). Bounds on failing, not waits.
+# online and decoded ~1 token/s (docs/install-a-box.md). Bounds on failing, not waits.
 READY_S = 900.0
 REQUEST_TIMEOUT_S = 900.0
 STATUS_POLL_S = 5.0
