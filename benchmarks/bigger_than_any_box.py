@@ -58,7 +58,7 @@ from harness.peers import (
     server_argv,
 )
 from node_agent.costs import model_costs, profiled_model
-from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes
+from node_agent.fit import memory_costs
 from plant_config import Plant, load_plant
 from plant_config.schema import BoxSpec, resolve_engine
 
@@ -144,18 +144,12 @@ def _failure(rehearsal: Rehearsal, exc: BaseException) -> dict[str, Any]:
 
 
 def stage_shares(plant: Plant) -> dict[str, dict[str, float]]:
-    """Per stage: its GGUF bytes (layers, the embedding on the first, the head on the last)
+    """Per stage: the GGUF bytes its stage file holds (its layers, the embedding on the
+    first, the head and llama.cpp's embedding stand-in on the last: ModelCosts.weight_bytes)
     and its KV budget, in MiB: the target is peak RSS <= both + 100 MiB."""
-    parts = part_bytes(plant.model)
-    last = plant.num_layers
-    result = {}
-    for spec in plant.stages:
-        first, end = spec.layers
-        weights = sum(parts.get(layer, 0) for layer in range(first, end))
-        weights += parts.get(EMBEDDING, 0) if first == 0 else 0
-        weights += parts.get(HEAD, 0) if end == last else 0
-        result[spec.node] = {"gguf_mib": weights / MIB, "kv_mib": float(spec.kv_budget_mb)}
-    return result
+    costs = memory_costs(plant.model)
+    return {spec.node: {"gguf_mib": costs.weight_bytes(spec.layers, "gguf") / MIB,
+                        "kv_mib": float(spec.kv_budget_mb)} for spec in plant.stages}
 
 
 def predictions(plant: Plant, options: Options, concurrency: int) -> dict[str, Any]:

@@ -158,6 +158,12 @@ class ModelCosts:
             shared = mode in ("bf16", "gguf") or (mode == "fp32" and not self.packed_fp32)
             if first == 0 and self.tied and shared:
                 total -= self.embedding_bytes[mode]
+            if first > 0 and not self.tied and mode == "gguf":
+                # llama.cpp insists on a token embedding of the vocabulary's size beside the
+                # head, and a last stage keeps the vocabulary (stage_gguf.py): it loads the
+                # whole matrix, unused. Uncounted, it put Llama-3-8B's last stage 282 MiB
+                # over its count and the OOM killer ended it on a 2 GiB box.
+                total += self.embedding_bytes[mode]
         return total
 
 
