@@ -37,6 +37,7 @@ from plant_config.stage_memory import (
     ContextShape,
     LlamaCppShape,
     context_shape,
+    standin_bytes,
 )
 
 # The prefill the profile times: the coordinator's default prefill_chunk, the
@@ -158,12 +159,13 @@ class ModelCosts:
             shared = mode in ("bf16", "gguf") or (mode == "fp32" and not self.packed_fp32)
             if first == 0 and self.tied and shared:
                 total -= self.embedding_bytes[mode]
-            if first > 0 and not self.tied and mode == "gguf":
-                # llama.cpp insists on a token embedding of the vocabulary's size beside the
-                # head, and a last stage keeps the vocabulary (stage_gguf.py): it loads the
-                # whole matrix, unused. Uncounted, it put Llama-3-8B's last stage 282 MiB
-                # over its count and the OOM killer ended it on a 2 GiB box.
-                total += self.embedding_bytes[mode]
+        if mode == "gguf" and self.llamacpp is not None and (first == 0) != (
+                stop == self.num_layers) and not (stop == self.num_layers and self.tied):
+            # The matrix a first or a last stage's file holds only because llama.cpp
+            # insists on it (stage_memory.STANDIN_TYPES): uncounted, llama.cpp's own copies
+            # put Llama-3-8B's first and last stages 282 MiB over their counts, and the OOM
+            # killer ended them on 2 GiB boxes.
+            total += standin_bytes(self.llamacpp.hidden, self.llamacpp.vocab)
         return total
 
 

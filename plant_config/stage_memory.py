@@ -77,6 +77,28 @@ EMBEDDED_BROKER_BYTES = 64 * MIB
 HEADROOM_BYTES = 64 * MIB
 
 
+# llama.cpp insists on a token embedding and an LM head of the vocabulary's size in every
+# model it loads, and when a file has no LM head it loads the embedding a second time as
+# one (repacked for the matrix product). A first stage computes no logits and a last
+# stage looks up no tokens, so each gets the matrix it does not use as a stand-in of
+# zeros (node_agent/engines/llamacpp/stage_gguf.py) in the smallest type whose block
+# fits a row: (ggml type, values a block, bytes a block). For Llama-3-8B in Q4_0 the
+# first stage held 282 MiB of embedding twice and the last the whole embedding beside
+# the head; the IQ1_S stand-in is 98 MiB.
+STANDIN_TYPES = (("IQ1_S", 256, 50), ("Q4_0", 32, 18), ("F16", 1, 2))
+
+
+def standin_type(hidden: int) -> tuple[str, int, int]:
+    """The stand-in's type for rows of `hidden` values (STANDIN_TYPES)."""
+    return next(kind for kind in STANDIN_TYPES if hidden % kind[1] == 0)
+
+
+def standin_bytes(hidden: int, vocab: int) -> int:
+    """Bytes of a vocabulary-sized stand-in matrix."""
+    _, block, block_bytes = standin_type(hidden)
+    return hidden * vocab // block * block_bytes
+
+
 @dataclass(frozen=True)
 class ContextShape:
     """What the plant lets one node hold, for engines that size their memory up front.

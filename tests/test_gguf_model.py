@@ -35,6 +35,7 @@ from node_agent.model_config import generation_eos, kv_bytes_per_token, load_con
 from node_agent.tokenizer import FileTokenizer
 from plant_config import load_plant, make_plant, write_plant
 from plant_config.schema import BoxSpec
+from plant_config.stage_memory import standin_bytes
 
 # What the product reads of a model's config: the sizes frames and KV are checked and
 # booked by, and what a reader of config.json expects besides.
@@ -253,6 +254,9 @@ def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
     assert all(ms > 0 for part in measured.layers for ms in part)
     in_file = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(bundled)).tensors)
     assert costs.weight_bytes((0, 30), "gguf") == in_file
-    # The tied embedding is the first stage's lookup table and the last stage's LM head.
+    # The tied embedding is the first stage's lookup table and the last stage's LM head; the
+    # first stage also holds the stand-in LM head llama.cpp insists on.
     stages = [costs.weight_bytes(layers, "gguf") for layers in SPLITS["3-stages"]]
-    assert sum(stages) == in_file + gguf_model.part_bytes(bundled)[gguf_model.EMBEDDING]
+    assert costs.llamacpp is not None
+    assert sum(stages) == (in_file + gguf_model.part_bytes(bundled)[gguf_model.EMBEDDING]
+                           + standin_bytes(costs.llamacpp.hidden, costs.llamacpp.vocab))

@@ -46,6 +46,7 @@ from plant_config.stage_memory import (
     MOSQUITTO_BYTES,
     ContextShape,
     LlamaCppShape,
+    standin_bytes,
 )
 
 
@@ -475,8 +476,9 @@ def test_a_llamacpp_plan_counts_what_the_box_holds(tmp_path: Path) -> None:
     first, stop = result.stages[2].layers
     share = 1280 * 4096 * (stop - first)  # 1024 + 256 positions, already a multiple of 256
     assert memory.kv == (160 * MIB // share) * share  # whole shares, as llama.cpp reserves
-    # Its layers, the head, and the token embedding llama.cpp loads beside the head.
-    assert memory.weights == (stop - first) * LLAMA3_8B_Q4_0_LAYER + 2 * LLAMA3_8B_Q4_0_VOCAB
+    # Its layers, the head, and the stand-in of the token embedding llama.cpp insists on.
+    assert memory.weights == ((stop - first) * LLAMA3_8B_Q4_0_LAYER + LLAMA3_8B_Q4_0_VOCAB
+                              + standin_bytes(4096, 128256))
     assert memory.services == MOSQUITTO_BYTES + COORDINATOR_BYTES + shape.vocabulary_bytes()
     assert memory.headroom == HEADROOM_BYTES and memory.process == IDLE_AGENT_BYTES
     assert memory.buffers == (shape.context_bytes(ContextShape(160 * MIB, 1280, 128),

@@ -6,14 +6,18 @@ set to end - first. What else a stage keeps depends on where it sits:
 
 | stage  | keeps |
 | ---    | ---   |
-| first  | the token embedding and the tokenizer; no LM head (`output.weight`) |
+| first  | the token embedding and the tokenizer; an LM head stand-in of zeros |
 | middle | no tokenizer, and the embedding and LM head cut to VOCAB_KEEP rows |
-| last   | the final norm, the LM head and the tokenizer |
+| last   | the final norm, the LM head and the tokenizer; an embedding stand-in of zeros |
 | whole  | the model's own file, not a copy |
 
 llama.cpp insists on a token embedding and a vocabulary in every model, so
 a middle stage keeps VOCAB_KEEP rows of each: a few KiB instead of the
-vocabulary's tens of MiB, and no logits buffer worth the name.
+vocabulary's tens of MiB, and no logits buffer worth the name. A first or a
+last stage keeps the whole vocabulary (token ids in, logits out), so the
+matrix it never uses is a stand-in of zeros in the smallest type llama.cpp
+loads (plant_config/stage_memory.py, STANDIN_TYPES): without it, llama.cpp
+loads a first stage's embedding a second time as its LM head.
 
 Stage files are cut once and cached in `$EDGEBUS_HOME/stages/` (CACHE_DIR),
 named by the source file's fingerprint (a digest of its header and of pieces
@@ -54,13 +58,14 @@ import gguf
 from edgebus.core.errors import CheckpointError, EngineError
 from edgebus.core.paths import edgebus_home
 from node_agent import gguf_model
+from plant_config.stage_memory import standin_type
 
 CACHE_DIR = "stages"  # under $EDGEBUS_HOME
 # Rows of the embedding and LM head a middle stage keeps: llama.cpp wants both
 # tensors and a vocabulary, and 32 rows are enough for it to load.
 VOCAB_KEEP = 32
 # Bump when the files cut here change meaning, so cached ones are cut again.
-CUT_FORMAT = 1
+CUT_FORMAT = 2  # 2: stand-ins of zeros for the matrices a first or last stage never uses
 # Metadata key recording which layers of the source a stage file holds.
 RANGE_KEY = "edgebus.layer_range"
 # What names a source GGUF's stage files (`fingerprint`): its size and mtime, its first
@@ -186,9 +191,13 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
         entries.append(header.entry(q_lora, gguf.GGUFValueType.UINT32, 0))
     entries.append(header.entry(RANGE_KEY, gguf.GGUFValueType.ARRAY, [first, end],
                                 gguf.GGUFValueType.UINT32))
-    kept: list[tuple[int, int]] = []  # (offset in source, bytes) of each tensor written
+    # (offset in source, or None for zeros; bytes) of each tensor written
+    kept: list[tuple[int | None, int]] = []
     infos: list[bytes] = []
     offset = 0
+    untied = any(tensor.name == "output.weight" for tensor in src.tensors)
+    embedding = next(tensor for tensor in src.tensors if tensor.name == "token_embd.weight")
+    standin = _Standin(embedding.dims)
     for tensor in src.tensors:
         name, dims = tensor.name, tensor.dims
         block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.kind]
@@ -200,7 +209,13 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
                 continue
             name = f"blk.{index - first}.{layer.group(2)}"
         elif role == "first" and name == "output.weight":
-            continue  # the first stage stops before the LM head
+            continue  # the first stage stops before the LM head: a stand-in below
+        elif role == "last" and name == "token_embd.weight" and untied:
+            # Looked up by no one here: llama.cpp only insists on it (STANDIN_TYPES).
+            infos.append(header.tensor_info(name, dims, standin.kind, offset))
+            kept.append((None, standin.size))
+            offset += standin.size + -standin.size % src.alignment
+            continue
         elif middle and name in ("token_embd.weight", "output.weight"):
             # The first rows (GGUF's last axis, stored first).
             size = size // dims[-1] * VOCAB_KEEP
@@ -208,6 +223,12 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
         infos.append(header.tensor_info(name, dims, tensor.kind, offset))
         kept.append((src.data_start + tensor.offset, size))
         offset += size + -size % src.alignment
+    if role == "first":
+        # Without an LM head llama.cpp would load the embedding again as one (repacked):
+        # a stand-in it loads instead, never computed, as the stage asks for no logits.
+        infos.append(header.tensor_info("output.weight", standin.dims, standin.kind, offset))
+        kept.append((None, standin.size))
+        offset += standin.size + -standin.size % src.alignment
     head = (header.start(len(infos), len(entries)) + b"".join(entries) + b"".join(infos))
     _check_free_space(dest.parent, len(head) + src.alignment + offset, what)
     progress = _Progress(what, offset)
@@ -216,7 +237,10 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
         copy.write(head)
         for start, size in kept:
             copy.padding(src.alignment)
-            copy.range(start, size, progress)
+            if start is None:
+                copy.zeros(size, progress)
+            else:
+                copy.range(start, size, progress)
         copy.padding(src.alignment)
     progress.done()
 
@@ -272,6 +296,17 @@ def _check_free_space(folder: Path, needed: int, what: str) -> None:
                           "there, or set EDGEBUS_HOME to a disk that has it")
 
 
+class _Standin:
+    """A vocabulary-sized matrix of zeros in plant_config.stage_memory's stand-in type."""
+
+    def __init__(self, embedding_dims: tuple[int, ...]) -> None:
+        hidden = embedding_dims[0]
+        name, block, block_bytes = standin_type(hidden)
+        self.kind = gguf.GGMLQuantizationType[name]
+        self.dims = embedding_dims
+        self.size = math.prod(embedding_dims) // block * block_bytes
+
+
 class _Copier:
     """Bytes of one file appended to another in bounded chunks: the kernel copies them
     (copy_file_range) where it can, else they pass through one reused buffer."""
@@ -288,6 +323,14 @@ class _Copier:
     def padding(self, alignment: int) -> None:
         """Zeros up to the next multiple of `alignment`, where GGUF starts each tensor."""
         self._write(bytes(-self.written % alignment))
+
+    def zeros(self, size: int, progress: _Progress) -> None:
+        """`size` zero bytes, a chunk at a time."""
+        while size > 0:
+            piece = min(self.chunk, size)
+            self._write(bytes(piece))
+            progress.add(piece)
+            size -= piece
 
     def range(self, offset: int, size: int, progress: _Progress) -> None:
         end = offset + size
