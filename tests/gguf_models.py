@@ -1,6 +1,6 @@
 """GGUF files for the llamacpp engine's tests, made here from what the tests already have.
 
-`requantize` rewrites the bundled SmolLM2 Q4_1 GGUF in another block type with
+`requantize` rewrites a GGUF (the tiny Llama's F16, SmolLM2's Q4_1) in another block type with
 gguf-py's own quantizers (the reference implementations of llama.cpp's), so the
 engine is tested on several types without llama.cpp's build tools.
 `tiny_gguf` converts a tiny random checkpoint of another family (tiny_models.py)
@@ -39,8 +39,9 @@ def tiny_gguf(family: str, dest: Path, tokenizer_dir: Path) -> Path:
 
 
 def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """The GGUF file `dest`: the GGUF file `source` with every quantized matrix as `qtype`,
-    other tensors (norms) as they are, and the same metadata (vocabulary, config)."""
+    """The GGUF file `dest`: the GGUF file `source` with every quantized or F16 matrix as
+    `qtype`, the F32 tensors (norms) as they are, and the same metadata (vocabulary, config).
+    An F16 source (a tiny model from `tiny_gguf`) so becomes a file of any block type."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(str(source))
     arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
@@ -54,8 +55,7 @@ def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType) -> Pa
                              else None)
     for tensor in reader.tensors:
         data: np.ndarray = tensor.data
-        if tensor.tensor_type not in (gguf.GGMLQuantizationType.F32,
-                                      gguf.GGMLQuantizationType.F16):
+        if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             values = gguf.quants.dequantize(data, tensor.tensor_type)
             data = gguf.quants.quantize(values, qtype)
             writer.add_tensor(tensor.name, data, raw_dtype=qtype)

@@ -3,6 +3,11 @@
 The acceptance bar: with greedy decoding, the tokens that come back over MQTT
 equal `transformers` `generate(do_sample=False)` on the same checkpoint in one
 process, for any split, with several requests in flight at once.
+
+Splits, batching and chunking are properties of the code path, not of the model's size:
+they run on tiny random checkpoints (tiny_models.py), whose answers depend on their history
+(`historyless_tokens`). SmolLM2 itself runs once, through one split, where the real model
+is the point: the torch engine against its reference.
 """
 
 from __future__ import annotations
@@ -46,13 +51,24 @@ SMOLLM2_SPLITS = {
     "3-stages": [(0, 10), (10, 20), (20, 30)],
     "uneven-3-20-7": [(0, 3), (3, 23), (23, 30)],
 }
+# The tiny models' splits (6 layers): one stage, two, and three uneven ones.
+TINY_SPLITS = {
+    "1-stage": [(0, 6)],
+    "2-stages": [(0, 2), (2, 6)],
+    "3-stages-uneven": [(0, 1), (1, 5), (5, 6)],
+}
+# Tokens of the tiny models' requests that must overlap others': a tiny model decodes a
+# token in a few milliseconds, where SmolLM2's 24 tokens took a second; this many keep
+# every request decoding while the others arrive (their hops, not their layers, take the
+# time), and cost a fraction of SmolLM2's.
+LONG_DECODE = 64
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", SMOLLM2_SPLITS.values(), ids=SMOLLM2_SPLITS.keys())
-async def test_smollm2_token_exact_over_mosquitto(
-        smollm2_dir: Path, mosquitto_broker: BrokerHandle, split: list[tuple[int, int]]) -> None:
-    await _check_token_exact(smollm2_dir, mosquitto_broker, split)
+async def test_smollm2_token_exact_over_mosquitto(smollm2_dir: Path,
+                                                  mosquitto_broker: BrokerHandle) -> None:
+    """The real model through one split: the other splits run on the tiny families below."""
+    await _check_token_exact(smollm2_dir, mosquitto_broker, SMOLLM2_SPLITS["2-stages"])
 
 
 async def _check_token_exact(model_dir: Path, broker: BrokerHandle,
@@ -68,36 +84,36 @@ async def _check_token_exact(model_dir: Path, broker: BrokerHandle,
         assert response.usage.completion_tokens == len(response.tokens)
 
 
-@pytest.mark.slow
 async def test_concurrent_requests_are_batched_and_stay_exact(
-        smollm2_dir: Path, mosquitto_broker: BrokerHandle) -> None:
+        tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
     """Eight requests arriving at different moments share decode steps, and each
     still gets exactly the tokens generate() gives it alone."""
     topics = ["a PLC", "a servo drive", "an HMI", "a safety relay", "a VFD", "a SCADA system",
               "an encoder", "a proximity sensor"]
-    reqs = [GenerateRequest(id=f"q{i}", max_tokens=MAX_TOKENS,
+    reqs = [GenerateRequest(id=f"q{i}", max_tokens=LONG_DECODE, ignore_eos=True,
                             messages=[ChatMessage(role="user", content=f"What is {t}?")])
             for i, t in enumerate(topics)]
-    plant = plant_for(smollm2_dir, mosquitto_broker, SMOLLM2_SPLITS["3-stages"])
+    plant = plant_for(tiny_llama, mosquitto_broker, TINY_SPLITS["3-stages-uneven"])
     async with running(plant) as stages:
         responses = await asyncio.gather(*(_ask_later(plant, r, delay=0.05 * i)
                                            for i, r in enumerate(reqs)))
     for request, response in zip(reqs, responses, strict=True):
-        assert response.tokens == reference_tokens(smollm2_dir, request), request.id
+        assert response.tokens == reference_tokens(tiny_llama, request), request.id
     for stage in stages:  # more rows than forward passes: rows were batched
         assert stage.metrics["rows"] > 1.5 * stage.metrics["steps"], stage.metrics
 
 
-@pytest.mark.slow
 async def test_a_prompt_arriving_mid_decode_shares_passes_and_stays_exact(
-        smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+        tiny_llama: Path, amqtt_broker: BrokerHandle) -> None:
     """A long prompt's chunks ride in the decode batches of requests already generating
     (`mixed_steps`), and every request still gets generate()'s tokens."""
-    reqs = [GenerateRequest(id=f"early{i}", max_tokens=MAX_TOKENS, prompt=prompt, stream=True)
+    reqs = [GenerateRequest(id=f"early{i}", max_tokens=LONG_DECODE, ignore_eos=True,
+                            prompt=prompt, stream=True)
             for i, prompt in enumerate(["A hydraulic press needs", "Conveyor belts slip when",
                                         "Before a shift, an operator checks"])]
-    late = GenerateRequest(id="late", prompt=LONG_PROMPT, max_tokens=4)
-    plant = plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["3-stages"], prefill_chunk=32)
+    late = GenerateRequest(id="late", prompt=LONG_PROMPT, max_tokens=4, ignore_eos=True)
+    plant = plant_for(tiny_llama, amqtt_broker, TINY_SPLITS["3-stages-uneven"],
+                      prefill_chunk=32)
     decoding = {r.id: asyncio.Event() for r in reqs}
 
     async def early(request: GenerateRequest) -> GenerateResponse:
@@ -114,7 +130,7 @@ async def test_a_prompt_arriving_mid_decode_shares_passes_and_stays_exact(
     async with running(plant) as stages:
         responses = await asyncio.gather(*map(early, reqs), mid_decode())
     for request, response in zip([*reqs, late], responses, strict=True):
-        assert response.tokens == reference_tokens(smollm2_dir, request), request.id
+        assert response.tokens == reference_tokens(tiny_llama, request), request.id
     assert all(stage.metrics["mixed_steps"] > 0 for stage in stages), \
         [stage.metrics for stage in stages]
 
@@ -124,20 +140,19 @@ async def _ask_later(plant: Plant, request: GenerateRequest, delay: float) -> Ge
     return await ask(plant, request, client_id=f"gw-{request.id}")
 
 
-@pytest.mark.slow
-async def test_chunked_prefill_stays_exact(smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+async def test_chunked_prefill_stays_exact(tiny_llama: Path, amqtt_broker: BrokerHandle) -> None:
     """A long prompt in small chunks (uneven last chunk included) gives generate()'s tokens;
-    the plant's default chunk, over Mosquitto, is test_smollm2_token_exact_over_mosquitto's.
-    This is also the uneven split's run over amqtt."""
-    reqs = requests()
+    the plant's default chunk is test_tiny_families_token_exact's (and SmolLM2's run
+    over Mosquitto)."""
+    reqs = [r.model_copy(update={"ignore_eos": True}) for r in requests()]
     chunk = 16
-    plant = plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["uneven-3-20-7"],
+    plant = plant_for(tiny_llama, amqtt_broker, TINY_SPLITS["3-stages-uneven"],
                       prefill_chunk=chunk)
     async with running(plant) as stages:
         responses = await ask_all(plant, reqs)
     for request, response in zip(reqs, responses, strict=True):
-        assert response.tokens == reference_tokens(smollm2_dir, request), request.id
-    prompt_positions = sum(len(prompt_ids(smollm2_dir, r)) for r in reqs)
+        assert response.tokens == reference_tokens(tiny_llama, request), request.id
+    prompt_positions = sum(len(prompt_ids(tiny_llama, r)) for r in reqs)
     assert stages[0].metrics["steps"] >= prompt_positions // chunk  # it really was chunked
 
 
@@ -156,8 +171,7 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return build_tiny(request.param, tmp_path_factory.mktemp(request.param), smollm2_dir)
 
 
-@pytest.mark.parametrize("split", [[(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 5), (5, 6)]],
-                         ids=["1-stage", "2-stages", "3-stages-uneven"])
+@pytest.mark.parametrize("split", TINY_SPLITS.values(), ids=TINY_SPLITS.keys())
 async def test_tiny_families_token_exact(tiny_dir: Path, amqtt_broker: BrokerHandle,
                                          split: list[tuple[int, int]]) -> None:
     reqs = [r.model_copy(update={"ignore_eos": True}) for r in requests()]

@@ -17,7 +17,7 @@ import pytest
 from brokers import BrokerHandle
 from pipeline import plant_for, reference_tokens, running
 from pydantic import ValidationError
-from test_pipeline import SMOLLM2_SPLITS
+from test_pipeline import TINY_SPLITS
 
 from edgebus.ask import ask
 from edgebus.core.client import BusClient
@@ -45,8 +45,8 @@ def with_tasks(plant: Plant) -> Plant:
 
 
 async def test_a_task_request_answers_what_generate_gives_for_the_rendered_chat(
-        smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
-    plant = with_tasks(plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLITS["3-stages"]))
+        tiny_llama: Path, amqtt_broker: BrokerHandle) -> None:
+    plant = with_tasks(plant_for(tiny_llama, amqtt_broker, TINY_SPLITS["3-stages-uneven"]))
     async with running(plant):
         response = await ask(plant, GenerateRequest.model_validate(
             {"id": "t1", "task": "alarm_summary", "vars": VARS}))
@@ -55,9 +55,9 @@ async def test_a_task_request_answers_what_generate_gives_for_the_rendered_chat(
             {"id": "t2", "task": "alarm_summary", "vars": VARS, "max_tokens": 16}))
     assert response.error is None and longer.error is None
     expected = GenerateRequest(id="ref", messages=RENDERED, max_tokens=ALARM.max_tokens)
-    assert response.tokens == reference_tokens(smollm2_dir, expected)
+    assert response.tokens == reference_tokens(tiny_llama, expected)
     assert longer.tokens == reference_tokens(
-        smollm2_dir, expected.model_copy(update={"max_tokens": 16}))
+        tiny_llama, expected.model_copy(update={"max_tokens": 16}))
     assert len(longer.tokens) == 16 or longer.finish_reason == "stop"
 
 
