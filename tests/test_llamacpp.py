@@ -41,6 +41,7 @@ from test_pipeline import requests as pipeline_requests
 from edgebus.ask import ask
 from edgebus.core.errors import EngineError
 from edgebus.core.messages import GenerateRequest, GenerateResponse
+from edgebus.core.paths import GGUF_FILE
 from node_agent.engines import (
     INIT_KV_REQUESTS,
     ContextShape,
@@ -50,7 +51,7 @@ from node_agent.engines import (
 )
 from node_agent.engines.base import CacheFull
 from node_agent.engines.llamacpp import library, rebuild_hint, stage_gguf
-from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, MODEL_GGUF
+from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
 from node_agent.model_config import kv_bytes_per_token
 from plant_config import Plant, make_plant
 
@@ -376,7 +377,7 @@ def test_every_block_type_splits_exactly(tiny_llama_gguf: Path, tmp_path: Path,
     rewritten in it): the chain's logits, for a prompt and 8 greedy steps, are the whole
     model's bit for bit. (test_hidden_states_of_a_stage_are_the_whole_models cuts the
     shipped SmolLM2 file.)"""
-    model = requantize(tiny_llama_gguf / MODEL_GGUF, tmp_path / f"{qtype}.gguf",
+    model = requantize(tiny_llama_gguf / GGUF_FILE, tmp_path / f"{qtype}.gguf",
                        gguf.GGMLQuantizationType[qtype])
     whole = load_engine(model, 0, 6, weights="gguf", threads=2, shape=SMALL)
     chain = [load_engine(model, a, b, weights="gguf", threads=2, shape=SMALL)
