@@ -35,10 +35,8 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +52,7 @@ from harness.peers import (
     closed_loop,
     context_size,
     find_tools,
+    kept_or_temporary,
     rpc_server_argv,
     server_argv,
 )
@@ -634,16 +633,6 @@ def write_section(doc: Path, section: str) -> None:
 # -- main ----------------------------------------------------------------------------------
 
 
-@contextmanager
-def _workdir(keep: Path | None) -> Iterator[Path]:
-    if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        yield keep
-        return
-    with tempfile.TemporaryDirectory(prefix="bigger-than-any-box-") as tmp:
-        yield Path(tmp)
-
-
 def _ids(gguf: Path) -> list[int]:
     """PROMPT as the GGUF's tokenizer makes it, asked of llama.cpp (llama-tokenize is not
     built; the Python binding runs the same vocabulary code)."""
@@ -711,7 +700,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "dllama": lambda d: _dllama(args, plant, options, d, args.dllama_root_memory_mb),
         "one_box": lambda d: run_one_box(plant, options, d, _broker_box(plant, options)),
     }
-    with _workdir(args.keep) as workdir:
+    with kept_or_temporary(args.keep, "bigger-than-any-box-") as workdir:
         for name in args.only:
             say(f"== {name}")
             results[name] = steps[name](workdir / name)

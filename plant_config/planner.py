@@ -159,12 +159,13 @@ class ModelCosts:
             shared = mode in ("bf16", "gguf") or (mode == "fp32" and not self.packed_fp32)
             if first == 0 and self.tied and shared:
                 total -= self.embedding_bytes[mode]
-        if mode == "gguf" and self.llamacpp is not None and (first == 0) != (
-                stop == self.num_layers) and not (stop == self.num_layers and self.tied):
-            # The matrix a first or a last stage's file holds only because llama.cpp
-            # insists on it (stage_memory.STANDIN_TYPES): uncounted, llama.cpp's own copies
-            # put Llama-3-8B's first and last stages 282 MiB over their counts, and the OOM
-            # killer ended them on 2 GiB boxes.
+        # The matrix a stage file holds only because llama.cpp insists on it
+        # (stage_memory.STANDIN_TYPES): a first stage's head, an untied last stage's
+        # embedding. Uncounted, llama.cpp's own copies put Llama-3-8B's first and last
+        # stages 282 MiB over their counts, and the OOM killer ended them on 2 GiB boxes.
+        first_stage = first == 0 and stop < self.num_layers
+        untied_last_stage = first > 0 and stop == self.num_layers and not self.tied
+        if mode == "gguf" and self.llamacpp is not None and (first_stage or untied_last_stage):
             total += standin_bytes(self.llamacpp.hidden, self.llamacpp.vocab)
         return total
 

@@ -68,6 +68,23 @@ def test_one_box_alone_is_refused_when_it_cannot_hold_the_model(tmp_path: Path) 
         "layers [0, 30] (113 MiB each)" in refused[0], refused
 
 
+def _failed_start(plant: Plant, tmp_path: Path, box: str) -> tuple[str, int]:
+    """Rehearse `plant` past the rehearsal's own check; the error its start ends in, and the
+    OOM kills in `box`."""
+
+    async def start() -> None:
+        async with Client(running.plant) as client:
+            await wait_online(running, client, timeout=300)
+
+    with Rehearsal(plant, tmp_path / "rehearse", Options(cpu_total=float(cores())),
+                   progress=print) as running:
+        running.start()
+        with pytest.raises(EdgebusError) as caught:
+            asyncio.run(start())
+        kills = running.groups[box].oom_kills()
+    return str(caught.value), kills
+
+
 @optional.needs(missing(), "a rehearsal")
 @optional.HOST_NETWORK
 def test_a_llama_cpp_stage_in_a_box_too_small_refuses_itself_with_the_numbers(
@@ -80,17 +97,7 @@ def test_a_llama_cpp_stage_in_a_box_too_small_refuses_itself_with_the_numbers(
         "boxes": [BoxSpec(name="stage-0", memory_mb=ROOMY_MB),
                   BoxSpec(name="stage-1", memory_mb=TINY_MB)]})
 
-    async def start() -> None:
-        async with Client(running.plant) as client:
-            await wait_online(running, client, timeout=300)
-
-    with Rehearsal(plant, tmp_path / "rehearse", Options(cpu_total=float(cores())),
-                   progress=print) as running:
-        running.start()
-        with pytest.raises(EdgebusError) as caught:
-            asyncio.run(start())
-        kills = running.groups["stage-1"].oom_kills()
-    message = str(caught.value)
+    message, kills = _failed_start(plant, tmp_path, "stage-1")
     assert kills == 0, message
     assert re.search(rf"stage-1 cannot hold layers \[15, 30\] on this box: it needs \d+ MiB "
                      rf"\(weights \d+ .*\) and the box has \d+ MiB for it \(its control "
@@ -109,16 +116,7 @@ def test_a_stage_killed_by_the_oom_killer_is_reported_with_the_numbers(
                                                                   memory_mb=TINY_MB)],
         stages=[StageSpec(node="roomy", layers=(0, 3)), StageSpec(node="tiny", layers=(3, 6))])
 
-    async def start() -> None:
-        async with Client(running.plant) as client:
-            await wait_online(running, client, timeout=300)
-
-    with Rehearsal(plant, tmp_path / "rehearse", Options(cpu_total=float(cores())),
-                   progress=print) as running:
-        running.start()
-        with pytest.raises(EdgebusError) as caught:
-            asyncio.run(start())
-    message = str(caught.value)
+    message, _ = _failed_start(plant, tmp_path, "tiny")
     print(message)
     assert re.search(rf"tiny \(pid \d+\) was killed by the kernel's OOM killer, out of memory "
                      rf"\(limit {TINY_MB} MiB \(box tiny: memory_mb x --memory-scale, its "

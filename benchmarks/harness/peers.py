@@ -533,14 +533,14 @@ def _streamed_completion(port: int, ids: Sequence[int], tokens: int,
 
 
 @contextmanager
-def _log_dir(log_dir: Path | None) -> Iterator[Path]:
-    """`log_dir` (kept for a post-mortem), or a temporary one removed afterwards (errors quote
-    the logs' tails, so nothing is lost)."""
-    if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        yield log_dir
+def kept_or_temporary(keep: Path | None, prefix: str = "edgebus-peers-") -> Iterator[Path]:
+    """`keep` (kept for a post-mortem), or a temporary directory removed afterwards (errors
+    quote the logs' tails, so nothing is lost)."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
         return
-    with tempfile.TemporaryDirectory(prefix="edgebus-peers-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         yield Path(tmp)
 
 
@@ -624,7 +624,7 @@ def measure_single(tools: LlamaTools, gguf: Path, ids: Sequence[int], *, tokens:
                    threads: int, log_dir: Path | None = None) -> StreamStats:
     """llama.cpp in one process: llama-server with one slot, `runs` requests one at a time
     after a warm-up. Raises EdgebusError (with the server's log) if it fails."""
-    with _log_dir(log_dir) as logs, llama_server(
+    with kept_or_temporary(log_dir) as logs, llama_server(
             tools, gguf, threads=threads, slots=1, context=context_size(len(ids), tokens, 1),
             logs=logs, name=f"llama-server-t{threads}") as server:
         for _ in range(WARMUP_REQUESTS):
@@ -639,7 +639,7 @@ def measure_slots(tools: LlamaTools, gguf: Path, ids: Sequence[int], *, tokens: 
     """llama-server with `slots` parallel slots (continuous batching), one LoadStats per
     concurrency level, closed-loop clients as the pipeline's bench drives them."""
     _check_concurrency(concurrency, slots)
-    with _log_dir(log_dir) as logs, llama_server(
+    with kept_or_temporary(log_dir) as logs, llama_server(
             tools, gguf, threads=threads, slots=slots,
             context=context_size(len(ids), tokens, slots), logs=logs,
             name=f"llama-server-np{slots}-t{threads}") as server:
@@ -686,7 +686,7 @@ def measure_rpc(tools: LlamaTools, gguf: Path, ids: Sequence[int], *, tokens: in
     slots = max(concurrency)
     _check_concurrency(concurrency, slots)
     _check_gguf(gguf)  # before the workers start
-    with (_log_dir(log_dir) as logs,
+    with (kept_or_temporary(log_dir) as logs,
           rpc_servers(tools, servers, threads=server_threads, logs=logs) as ports,
           llama_server(tools, gguf, threads=main_threads, slots=slots,
                        context=context_size(len(ids), tokens, slots), logs=logs,

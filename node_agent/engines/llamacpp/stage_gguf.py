@@ -196,8 +196,8 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
     infos: list[bytes] = []
     offset = 0
     untied = any(tensor.name == "output.weight" for tensor in src.tensors)
-    embedding = next(tensor for tensor in src.tensors if tensor.name == "token_embd.weight")
-    standin = _Standin(embedding.dims)
+    # Shaped as the embedding, which every file llama.cpp loads has.
+    standin = _Standin(next(t.dims for t in src.tensors if t.name == "token_embd.weight"))
     for tensor in src.tensors:
         name, dims = tensor.name, tensor.dims
         block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.kind]
