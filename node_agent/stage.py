@@ -157,7 +157,9 @@ class StageAgent:
         self._prompts: collections.deque[Frame] = collections.deque()
         self._swept = time.monotonic()
         # Counters; the event loop and the worker thread each have keys of their own.
+        # decode_*: passes of decode rows only, whose time the planner's decode step predicts.
         self.metrics = {"compute_s": 0.0, "steps": 0.0, "rows": 0.0, "mixed_steps": 0.0,
+                        "decode_s": 0.0, "decode_steps": 0.0,
                         "skipped_frames": 0.0, "evicted": 0.0, "lost_frames": 0.0,
                         "bad_frames": 0.0, "refused_frames": 0.0, "unreadable_frames": 0.0,
                         "rollbacks": 0.0, "cancelled_frames": 0.0}
@@ -399,10 +401,14 @@ class StageAgent:
             errors.append(f"{reason}; dropped {len(rows)} request(s)")
             return
         now = time.monotonic()
-        self.metrics["compute_s"] += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.metrics["compute_s"] += took
         self.metrics["steps"] += 1
         self.metrics["rows"] += len(rows)
-        if len(rows) > 1 and any(row[0].prefill for row in rows):
+        if not any(row[0].prefill for row in rows):
+            self.metrics["decode_s"] += took
+            self.metrics["decode_steps"] += 1
+        elif len(rows) > 1:
             self.metrics["mixed_steps"] += 1  # a prompt chunk shared a decode batch's pass
         for (frame, _, cache, topic), output in zip(rows, outputs, strict=True):
             cache.touched = now

@@ -54,6 +54,11 @@ class BoxGroup(ABC):
         """Memory the group's processes use now, as the limit counts it."""
 
     @abstractmethod
+    def major_faults(self) -> int:
+        """Pages the group's processes have had to read back from disk: a box that evicts
+        its own mapped weights under its limit reads them again at every pass."""
+
+    @abstractmethod
     def peak_bytes(self) -> int | None:
         """The most the group has held (None: this kernel does not keep it)."""
 
@@ -123,6 +128,9 @@ class _V1Group(BoxGroup):
     def memory_bytes(self) -> int:
         return int((self.memory / "memory.usage_in_bytes").read_text())
 
+    def major_faults(self) -> int:
+        return _field(self.memory / "memory.stat", "total_pgmajfault")
+
     def peak_bytes(self) -> int | None:
         return int((self.memory / "memory.max_usage_in_bytes").read_text())
 
@@ -189,6 +197,9 @@ class _V2Group(BoxGroup):
 
     def memory_bytes(self) -> int:
         return int((self.path / "memory.current").read_text())
+
+    def major_faults(self) -> int:
+        return _field(self.path / "memory.stat", "pgmajfault")
 
     def peak_bytes(self) -> int | None:
         peak = self.path / "memory.peak"  # Linux 5.19 and later

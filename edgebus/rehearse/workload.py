@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -176,8 +177,17 @@ class BoxSample:
     compute_s: float    # its stage's forward passes (status metric)
     steps: float        # its stage's forward passes, counted
     rows: float         # positions its stage has run
+    decode_s: float     # its forward passes of decode rows only, which the planner predicts
+    decode_steps: float
+    major_faults: int   # pages read back from disk (BoxGroup.major_faults)
     bytes_in: int       # over its link
     bytes_out: int
+
+
+def decode_step_ms(before: BoxSample, after: BoxSample) -> float | None:
+    """A box's mean pass of decode rows alone between two samples (None: it ran none)."""
+    steps = after.decode_steps - before.decode_steps
+    return (after.decode_s - before.decode_s) * 1000 / steps if steps else None
 
 
 @dataclass(frozen=True)
@@ -186,6 +196,7 @@ class Measurement:
 
     requests: int
     tokens: int                         # tokens answered, all requests together
+    prompt_tokens: int                  # per request, the mean (the prompts' own tokenizer)
     wall_s: float                       # first request sent to last answer
     ttft_s: list[float]                 # per request
     decode_tok_s: float                 # all requests, counted per request from its first token
@@ -202,10 +213,13 @@ def sample(rehearsal: Rehearsal, client: Client) -> dict[str, BoxSample]:
     for share in rehearsal.shares:
         box = share.box
         bytes_in, bytes_out = rehearsal.network.links[box].counters()
-        result[box] = BoxSample(cpu_s=rehearsal.groups[box].cpu_usage_s(),
+        group = rehearsal.groups[box]
+        result[box] = BoxSample(cpu_s=group.cpu_usage_s(), major_faults=group.major_faults(),
                                 compute_s=client.observer.metric(box, "compute_s"),
                                 steps=client.observer.metric(box, "steps"),
                                 rows=client.observer.metric(box, "rows"),
+                                decode_s=client.observer.metric(box, "decode_s"),
+                                decode_steps=client.observer.metric(box, "decode_steps"),
                                 bytes_in=bytes_in, bytes_out=bytes_out)
     return result
 
@@ -236,7 +250,9 @@ async def measure(rehearsal: Rehearsal, client: Client, workload: Workload,
     await fresh_statuses(client, stages, heartbeat * 3)
     reported = sample(rehearsal, client)
     after = {box: replace(at_end[box], compute_s=reported[box].compute_s,
-                          steps=reported[box].steps, rows=reported[box].rows)
+                          steps=reported[box].steps, rows=reported[box].rows,
+                          decode_s=reported[box].decode_s,
+                          decode_steps=reported[box].decode_steps)
              for box in at_end}
     observer = client.observer
     responses = [observer.responses[r.id] for r in batch]
@@ -247,6 +263,7 @@ async def measure(rehearsal: Rehearsal, client: Client, workload: Workload,
                  if r.error is None and len(r.tokens) > 1 and r.id in observer.first_delta)
     return Measurement(
         requests=len(batch), tokens=sum(len(r.tokens) for r in responses),
+        prompt_tokens=round(statistics.fmean(r.usage.prompt_tokens for r in responses)),
         wall_s=max(observer.done[r.id] for r in batch) - sent,
         ttft_s=[observer.first_delta[r.id] - sent for r in batch if r.id in observer.first_delta],
         decode_tok_s=decode,
