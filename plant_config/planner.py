@@ -72,6 +72,12 @@ class PartCost:
         per_row = (self.batch_decode_ms - self.decode_ms) / (BATCH_ROWS - 1)
         return self.decode_ms + (rows - 1) * per_row
 
+    def positions_ms(self, positions: float) -> float:
+        """One prompt chunk of `positions` positions of one request: the line through the
+        profiled one-position step and PREFILL_POSITIONS-position chunk."""
+        per_position = (self.prefill_ms - self.decode_ms) / (PREFILL_POSITIONS - 1)
+        return self.decode_ms + (positions - 1) * per_position
+
 
 @dataclass(frozen=True)
 class MessageCost:
@@ -126,24 +132,26 @@ class ModelCosts:
 
     def stage_ms(self, layers: LayerRange, speed: float) -> float:
         """Per-request time of a stage running `layers` on a box `speed` times the profiler's."""
-        first, stop = layers
-        total = sum(cost.request_ms for cost in self.layers[first:stop])
-        if first == 0:
-            total += self.embedding.request_ms
-        if stop == self.num_layers:
-            total += self.head.request_ms
-        return total / speed
+        return self._stage_ms(layers, lambda cost: cost.request_ms) / speed
 
     def batch_step_ms(self, layers: LayerRange, speed: float, rows: float = BATCH_ROWS) -> float:
         """One decode step of `rows` requests of a stage running `layers` on a box `speed`
         times the profiler's."""
+        return self._stage_ms(layers, lambda cost: cost.rows_ms(rows)) / speed
+
+    def prompt_ms(self, layers: LayerRange, speed: float, positions: float) -> float:
+        """One request's prompt of `positions` positions through a stage running `layers`
+        on a box `speed` times the profiler's."""
+        return self._stage_ms(layers, lambda cost: cost.positions_ms(positions)) / speed
+
+    def _stage_ms(self, layers: LayerRange, part_ms: Callable[[PartCost], float]) -> float:
         first, stop = layers
-        total = sum(cost.rows_ms(rows) for cost in self.layers[first:stop])
+        total = sum(part_ms(cost) for cost in self.layers[first:stop])
         if first == 0:
-            total += self.embedding.rows_ms(rows)
+            total += part_ms(self.embedding)
         if stop == self.num_layers:
-            total += self.head.rows_ms(rows)
-        return total / speed
+            total += part_ms(self.head)
+        return total
 
     def weight_bytes(self, layers: LayerRange, mode: WeightMode) -> int:
         """Bytes of weights a stage running `layers` holds in weight mode `mode`."""

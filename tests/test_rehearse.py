@@ -15,11 +15,18 @@ import pytest
 
 from edgebus.core.errors import EdgebusError
 from edgebus.rehearse import Options, even_variant, netns, one_box_variant
-from edgebus.rehearse.report import cycle_time, predict
-from edgebus.rehearse.sizing import box_shares, broker_box, coordinator_box
+from edgebus.rehearse.report import Prediction, cycle_time, predict
+from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from edgebus.rehearse.workload import ROWS_PER_GROUP
 from plant_config import BrokerSettings, Plant, StageSpec
-from plant_config.planner import BATCH_ROWS, MessageCost, ModelCosts, PartBytes, PartCost
+from plant_config.planner import (
+    BATCH_ROWS,
+    PREFILL_POSITIONS,
+    MessageCost,
+    ModelCosts,
+    PartBytes,
+    PartCost,
+)
 from plant_config.schema import BoxSpec, Speculation
 
 
@@ -80,11 +87,21 @@ def test_the_one_box_variant_runs_every_layer_with_the_share_that_box_had(
         one_box_variant(plant, "nas", Options())
 
 
+def decode_only(plant: Plant, costs: ModelCosts, shares: list[BoxShare], requests: int,
+                groups: int) -> Prediction:
+    """The prediction with the broker and coordinator on the Jetson, for a test that reads
+    its decode rate only (a one-token prompt and answer)."""
+    return predict(plant, costs, shares, requests, groups, "jetson", "jetson",
+                   prompt_tokens=1, tokens=1)
+
+
 def made_up_costs(message: MessageCost | None) -> ModelCosts:
-    """30 layers of 1 ms per step of 4 rows and 0.5 ms per row alone, a free embedding and
-    head."""
+    """30 layers of 1 ms per step of 4 rows, 0.5 ms per row alone and 0.25 ms per prompt
+    position past the first; a free embedding and head."""
     nothing = PartBytes(fp32=0, bf16=0, int8=0, int4=0)
-    return ModelCosts(layers=(PartCost(0.0, 0.5, 1.0),) * 30, embedding=PartCost(0.0, 0.0, 0.0),
+    prefill = 0.5 + (PREFILL_POSITIONS - 1) * 0.25
+    return ModelCosts(layers=(PartCost(prefill, 0.5, 1.0),) * 30,
+                      embedding=PartCost(0.0, 0.0, 0.0),
                       head=PartCost(0.0, 0.0, 0.0), layer_bytes=(nothing,) * 30,
                       embedding_bytes=nothing, head_bytes=nothing, tied=False,
                       baseline_bytes=0, message=message)
@@ -98,7 +115,7 @@ def test_the_prediction_counts_batch_steps_messages_and_each_boxs_cpu(tmp_path: 
     plant = seed_plant(tmp_path)  # 4 / 4 / 22 layers on 0.3 / 0.3 / 0.9 cores
     shares = box_shares(plant, cpu_total=1.5)
     message = MessageCost(agent_ms=0.6, broker_ms=0.09)
-    one_group = predict(plant, made_up_costs(message), shares, 4, 1, "jetson", "jetson")
+    one_group = decode_only(plant, made_up_costs(message), shares, 4, 1)
     # Batch steps on the shares: 4 / 0.3, 4 / 0.3, 22 / 0.9.
     assert one_group.step_ms == pytest.approx({"pi-1": 40 / 3, "pi-2": 40 / 3, "jetson": 220 / 9})
     # One group goes around alone: every step, every agent's message in and out (the Jetson
@@ -108,18 +125,40 @@ def test_the_prediction_counts_batch_steps_messages_and_each_boxs_cpu(tmp_path: 
     assert one_group.hop_ms == pytest.approx(messages / 4)
     # Three groups: faster than one, slower than the Jetson's CPU alone allows, and a hop
     # now also waits behind the other groups.
-    three = predict(plant, made_up_costs(message), shares, 12, 3, "jetson", "jetson")
+    three = decode_only(plant, made_up_costs(message), shares, 12, 3)
     jetson_ms = (22 + 0.6 + 0.6 + 4 * 0.09) / 0.9
     assert one_group.tok_s < three.tok_s <= 12 * 1000 / (3 * jetson_ms) * (1 + 1e-9)
     assert three.hop_ms > one_group.hop_ms
     # Without a measured message cost only the forward passes are predicted, and said to be.
-    unprofiled = predict(plant, made_up_costs(None), shares, 4, 1, "jetson", "jetson")
+    unprofiled = decode_only(plant, made_up_costs(None), shares, 4, 1)
     assert not unprofiled.hops_profiled and one_group.hops_profiled
     assert unprofiled.tok_s == pytest.approx(4 * 1000 / (40 / 3 + 40 / 3 + 220 / 9))
     # Groups of fewer rows step on the line through the profiled 1-row and 4-row steps.
     for requests, per_layer in ((1, 0.5), (2, 0.5 + 0.5 / 3)):
-        small = predict(plant, made_up_costs(None), shares, requests, 1, "jetson", "jetson")
+        small = decode_only(plant, made_up_costs(None), shares, requests, 1)
         assert small.step_ms["pi-1"] == pytest.approx(4 * per_layer / 0.3)
+
+
+def test_the_prediction_counts_every_prompt_in_chunks_then_every_decode_step(
+        tmp_path: Path) -> None:
+    plant = seed_plant(tmp_path)  # 4 / 4 / 22 layers on 0.3 / 0.3 / 0.9 cores
+    chunked = plant.model_copy(update={"coordinator": plant.coordinator.model_copy(
+        update={"prefill_chunk": 8})})
+    shares = box_shares(plant, cpu_total=1.5)
+    # A 9-position prompt in chunks of 8 and 1: 0.5 + 7 x 0.25 and 0.5 ms a layer.
+    per_layer = (0.5 + 7 * 0.25) + 0.5
+    prompt = [4 * per_layer / 0.3, 4 * per_layer / 0.3, 22 * per_layer / 0.9]
+    lone = predict(chunked, made_up_costs(None), shares, 1, 1, "jetson", "jetson",
+                   prompt_tokens=9, tokens=5)
+    assert lone.ttft_s * 1000 == pytest.approx(sum(prompt))
+    # Then 4 decode steps, each a pass of every stage.
+    assert lone.wall_s * 1000 == pytest.approx(sum(prompt) + 4 * 1000 / lone.tok_s)
+    assert lone.answered_tok_s == pytest.approx(5 / lone.wall_s)
+    # Eight prompts sent together follow each other through the boxes, the slowest pacing.
+    eight = predict(chunked, made_up_costs(None), shares, 8, 2, "jetson", "jetson",
+                    prompt_tokens=9, tokens=5)
+    assert eight.wall_s * 1000 == pytest.approx(
+        sum(prompt) + 7 * max(prompt) + 4 * 8 * 1000 / eight.tok_s)
 
 
 def test_a_drafting_plant_is_predicted_with_every_draft_taken_as_its_ceiling(
@@ -129,8 +168,8 @@ def test_a_drafting_plant_is_predicted_with_every_draft_taken_as_its_ceiling(
         update={"speculation": Speculation(drafts=2)})})
     shares = box_shares(plant, cpu_total=1.5)
     message = MessageCost(agent_ms=0.6, broker_ms=0.09)
-    lone = predict(drafting, made_up_costs(message), shares, 1, 1, "jetson", "jetson")
-    plain = predict(plant, made_up_costs(message), shares, 1, 1, "jetson", "jetson")
+    lone = decode_only(drafting, made_up_costs(message), shares, 1, 1)
+    plain = decode_only(plant, made_up_costs(message), shares, 1, 1)
     assert plain.drafted_tok_s is None and lone.tok_s == pytest.approx(plain.tok_s)
     # Three positions in flight, each a row alone: faster than one, never past the busiest
     # box's rate.
@@ -138,8 +177,7 @@ def test_a_drafting_plant_is_predicted_with_every_draft_taken_as_its_ceiling(
     assert lone.drafted_tok_s is not None
     assert plain.tok_s < lone.drafted_tok_s <= 1000 / jetson_ms * (1 + 1e-9)
     # With more requests in flight than speculation.max_in_flight nobody drafts.
-    assert predict(drafting, made_up_costs(message), shares, 4, 1, "jetson",
-                   "jetson").drafted_tok_s is None
+    assert decode_only(drafting, made_up_costs(message), shares, 4, 1).drafted_tok_s is None
 
 
 def test_cycle_time_is_the_period_of_a_regular_pipeline() -> None:

@@ -165,7 +165,8 @@ def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, to
                 planned=planned))
             prediction = predict(rehearsal.plant, costs, rehearsal.shares, workload.requests,
                                  variant_options.batch_groups or len(variant.pipeline),
-                                 rehearsal.broker_box, rehearsal.coordinator_box)
+                                 rehearsal.broker_box, rehearsal.coordinator_box,
+                                 prompt_tokens=measured.prompt_tokens, tokens=workload.tokens)
             results.append((name, measured, prediction))
             print(f"\n{name}: broker and coordinator on {rehearsal.broker_box}"
                   + (f" / {rehearsal.coordinator_box}"

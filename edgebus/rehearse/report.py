@@ -30,11 +30,14 @@ import statistics
 from dataclasses import dataclass
 
 from edgebus.rehearse.sizing import BoxShare
-from edgebus.rehearse.workload import ROWS_PER_GROUP, Measurement
+from edgebus.rehearse.workload import ROWS_PER_GROUP, Measurement, decode_step_ms
 from plant_config.layout import show
 from plant_config.planner import MessageCost, ModelCosts
 from plant_config.schema import Plant
 
+# Major faults a box may take in a workload without paging its weights: a library or
+# two mapped late, never a pass's worth of weight pages (thousands).
+PAGING_FAULTS = 100
 # A hop's CPU where the profile has none (no Mosquitto where it was measured):
 # the prediction then leaves hops out, and says so.
 _UNMEASURED = MessageCost(agent_ms=0.0, broker_ms=0.0)
@@ -50,15 +53,21 @@ def groups_for(requests: int, batch_groups: int) -> int:
 class Prediction:
     step_ms: dict[str, float]   # per box: one decode step of its stage, on its CPU share
     hop_ms: float               # a hop as hop_ms() measures one: the cycle less the steps
-    tok_s: float                # all requests together
+    tok_s: float                # decoding, all requests together
     hops_profiled: bool         # whether the profile measured a message's CPU
+    ttft_s: float               # the first request's prompt through every stage
+    # First request sent to last answer: every prompt, then every decode step.
+    wall_s: float
+    answered_tok_s: float       # tokens answered over wall_s, as Measurement's
     # Where the requests draft (coordinator.speculation): the rate with every draft taken,
     # each request's drafts in flight behind its token as customers of their own.
     drafted_tok_s: float | None = None
 
 
 def predict(plant: Plant, costs: ModelCosts, shares: list[BoxShare], requests: int,
-            batch_groups: int, broker_box: str, coordinator_box: str) -> Prediction:
+            batch_groups: int, broker_box: str, coordinator_box: str, *,
+            prompt_tokens: int, tokens: int) -> Prediction:
+    """`requests` sent at once, each a prompt of `prompt_tokens` and `tokens` to answer."""
     cores = {share.box: share.cpu_cores for share in shares}
     message = costs.message or _UNMEASURED
     groups = groups_for(requests, batch_groups)
@@ -69,27 +78,45 @@ def predict(plant: Plant, costs: ModelCosts, shares: list[BoxShare], requests: i
             for spec in plant.stages}
     # The first node of a stage serves it; standbys idle until a failover.
     serving = [stage.node_ids[0] for stage in plant.pipeline]
-    # CPU ms (one core) each box spends per group step: every agent takes in one
-    # message and sends one, Mosquitto routes one per hop.
-    load = dict.fromkeys(cores, 0.0)
-    for node in serving:
-        load[node] += step[node] * cores[node] + message.agent_ms
-    load[coordinator_box] += message.agent_ms
     hops = len(serving) + 1
-    load[broker_box] += hops * message.broker_ms
-    demands = [load[box] / cores[box] for box in load if load[box]]
-    cycle_ms = cycle_time(demands, groups)
+
+    def demands(stage_ms: dict[str, float], messages: int) -> list[float]:
+        """Wall ms each box spends on one pass of every stage: CPU ms (one core) on its
+        share, where every agent takes in a message and sends one, and Mosquitto routes one
+        per hop."""
+        load = dict.fromkeys(cores, 0.0)
+        for node in serving:
+            load[node] += stage_ms[node] * cores[node] + messages * message.agent_ms
+        load[coordinator_box] += messages * message.agent_ms
+        load[broker_box] += messages * hops * message.broker_ms
+        return [load[box] / cores[box] for box in load if load[box]]
+
+    cycle_ms = cycle_time(demands(step, 1), groups)
+    # A prompt goes through the stages in prefill_chunk pieces; the prompts of requests sent
+    # together follow each other through the boxes as jobs through a flow shop, the slowest
+    # box setting the pace. The decode steps are counted after them: where a request decodes
+    # while later prompts still go through, both take the same boxes' CPU, so on the box
+    # that paces the plant the two add up all the same.
+    chunk = plant.coordinator.prefill_chunk
+    pieces = [chunk] * (prompt_tokens // chunk) + [prompt_tokens % chunk] * bool(
+        prompt_tokens % chunk)
+    prompt = {spec.node: sum(costs.prompt_ms(spec.layers, cores[spec.node], piece)
+                             for piece in pieces) for spec in plant.stages}
+    prompt_demands = demands(prompt, len(pieces))
+    ttft_ms = sum(prompt_demands)
+    wall_ms = ttft_ms + (requests - 1) * max(prompt_demands) + (tokens - 1) * cycle_ms
     drafting = plant.coordinator.speculation
     drafted = None
     if drafting.drafts and requests <= drafting.max_in_flight:
         # Every position, drafted or not, is a step on every box (exact verification):
         # drafts add customers to the loop, never take work out of it.
         positions = requests * (drafting.drafts + 1)
-        drafted = positions * 1000 / cycle_time(demands, positions)
+        drafted = positions * 1000 / cycle_time(demands(step, 1), positions)
     return Prediction(step_ms=step,
                       hop_ms=(cycle_ms - sum(step[node] for node in serving)) / hops,
                       tok_s=requests * 1000 / cycle_ms, hops_profiled=costs.message is not None,
-                      drafted_tok_s=drafted)
+                      ttft_s=ttft_ms / 1000, wall_s=wall_ms / 1000,
+                      answered_tok_s=requests * tokens * 1000 / wall_ms, drafted_tok_s=drafted)
 
 
 def cycle_time(demands_ms: list[float], customers: int) -> float:
@@ -101,9 +128,10 @@ def cycle_time(demands_ms: list[float], customers: int) -> float:
 
 
 def box_table(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
-    """Per box: share, layers, rows/s, busy fraction, forward-pass and hop times, link bytes."""
-    header = ("box", "layers", "cores", "rows/s", "busy", "ms/step", "predicted",
-              "KB in/step", "KB out/step")
+    """Per box: share, layers, rows/s, busy fraction, decode pass measured and predicted,
+    link bytes."""
+    header = ("box", "layers", "cores", "rows/s", "busy", "ms/decode", "predicted",
+              "KB in/step", "KB out/step", "disk reads")
     rows: list[tuple[str, ...]] = [header]
     wall = measured.wall_s
     for spec in plant.stages:
@@ -114,10 +142,11 @@ def box_table(plant: Plant, measured: Measurement, prediction: Prediction) -> st
             spec.node, f"{show(spec.layers)}", f"{cores:.2f}",
             f"{(after.rows - before.rows) / wall:.0f}",
             f"{(after.cpu_s - before.cpu_s) / (cores * wall):.0%}",
-            f"{(after.compute_s - before.compute_s) * 1000 / steps:.1f}" if steps else "-",
+            f"{ms:.1f}" if (ms := decode_step_ms(before, after)) is not None else "-",
             f"{prediction.step_ms[spec.node]:.1f}",
             _kib_per(after.bytes_in - before.bytes_in, steps),
-            _kib_per(after.bytes_out - before.bytes_out, steps)))
+            _kib_per(after.bytes_out - before.bytes_out, steps),
+            str(after.major_faults - before.major_faults)))
     return _columns(rows)
 
 
@@ -127,17 +156,17 @@ def _kib_per(n_bytes: int, steps: float) -> str:
 
 def hop_ms(plant: Plant, measured: Measurement) -> float | None:
     """Mean time a step spends between stages: a request's token interval less every
-    stage's forward pass, over its hops (coordinator -> stages -> coordinator)."""
+    stage's decode pass, over its hops (coordinator -> stages -> coordinator)."""
     per_request_tok_s = measured.decode_tok_s / measured.requests
     if per_request_tok_s <= 0:
         return None
     interval = 1000 / per_request_tok_s
     compute = 0.0
     for stage in plant.pipeline:
-        before, after = measured.boxes[stage.node_ids[0]]
-        steps = after.steps - before.steps
-        if steps:
-            compute += (after.compute_s - before.compute_s) * 1000 / steps
+        ms = decode_step_ms(*measured.boxes[stage.node_ids[0]])
+        if ms is None:
+            return None
+        compute += ms
     return (interval - compute) / (len(plant.pipeline) + 1)
 
 
@@ -148,6 +177,10 @@ def summary(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
         f"{measured.requests} requests x {measured.tokens // max(1, measured.requests)} tokens "
         f"in {measured.wall_s:.1f} s; TTFT median {statistics.median(measured.ttft_s):.2f} s, "
         f"max {max(measured.ttft_s):.2f} s",
+        f"answered: measured {measured.tokens / measured.wall_s:.2f} tok/s from the first "
+        f"request sent to the last answer, predicted {prediction.answered_tok_s:.2f} tok/s "
+        f"({measured.tokens / measured.wall_s / prediction.answered_tok_s:.0%}; prompts and "
+        "decode steps)",
         f"decode: measured {measured.decode_tok_s:.1f} tok/s, predicted "
         f"{prediction.tok_s:.1f} tok/s ({ratio:.0%} of the prediction)"
         + (f"; {hops:.1f} ms per hop between stages" if hops is not None else "")
@@ -163,6 +196,12 @@ def summary(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
         lines.append(f"warning: this machine was busy (load average {measured.host_load:.1f} on "
                      f"{cores} cores): the boxes got less CPU than their quotas, and the "
                      "measurement is low against the prediction; rehearse on a quiet machine")
+    for box, (before, after) in measured.boxes.items():
+        if (faults := after.major_faults - before.major_faults) > PAGING_FAULTS:
+            lines.append(f"warning: box {box} read {faults} pages back from disk while it "
+                         "answered: its memory limit holds its process, KV and buffers but not "
+                         "all of its mapped weights, so every pass reads some of them again "
+                         "(slower than predicted); give the box more memory or fewer layers")
     lines += [f"error: {error}" for error in measured.errors]
     return "\n".join(lines)
 
