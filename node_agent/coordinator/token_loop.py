@@ -84,7 +84,17 @@ class _Recover(Exception):
 
 
 class Pace:
-    """How long steps take here, so a lost step can be told from a slow one."""
+    """How long steps take here, so a lost step can be told from a slow one.
+
+    A step waits at every stage behind the positions sent before it that the
+    stages have not finished: eight prompts sent together put seven prompts'
+    passes ahead of the last one's, and ahead of the first decode step of the
+    others. Counting only the step's own positions took such a step for lost:
+    on Llama-3-8B at 0.3 of a core per box every one of 8 requests sent at once
+    was replayed (each replay a whole prompt again, at every stage), and the
+    8 answered at 1.5x a lone request's rate instead of the 2.5x the pipeline
+    holds (docs/benchmarks.md, "Models bigger than any box").
+    """
 
     def __init__(self) -> None:
         self.decode_s: float | None = None  # slowest one-position step of late
@@ -96,16 +106,20 @@ class Pace:
         else:
             self.position_s = max(elapsed / positions, (self.position_s or 0.0) * PACE_DECAY)
 
-    def stall_after(self, positions: int) -> float | None:
-        """Seconds after which a step of `positions` counts as lost; None: no steps seen yet
-        to judge by (the request's timeout applies alone)."""
-        if positions == 1:
-            expected = self.decode_s
-        elif self.position_s is None:
-            return None
+    def stall_after(self, positions: int, ahead: int = 0) -> float | None:
+        """Seconds after which a step of `positions` counts as lost, sent while `ahead`
+        positions of other steps were still on their way; None: no steps seen yet to judge
+        by (the request's timeout applies alone)."""
+        if positions == 1 and self.decode_s is not None:
+            own = self.decode_s
+        elif self.position_s is not None:
+            own = (self.decode_s or 0.0) + positions * self.position_s
         else:
-            expected = (self.decode_s or 0.0) + positions * self.position_s
-        return None if expected is None else max(STALL_MIN_S, STALL_FACTOR * expected)
+            return None
+        # A position ahead costs what one of a prompt does; where no prompt of more than
+        # one position has been timed yet, what a decode step does.
+        per_position = self.position_s if self.position_s is not None else own
+        return max(STALL_MIN_S, STALL_FACTOR * (own + ahead * per_position))
 
 
 class TokenLoop:
@@ -130,6 +144,8 @@ class TokenLoop:
         self._reporter = reporter
         self._counters = counters
         self._pace = Pace()
+        # Positions sent to the stages and not yet answered, all requests together (Pace).
+        self._in_flight = 0
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="coordinator-decode")
 
     def close(self) -> None:
@@ -208,10 +224,12 @@ class TokenLoop:
             if gen.drafts is not None and (early := gen.drafts.arrived.pop(gen.step, None)):
                 self._resolve(gen, result, early)
             sent = time.monotonic()
-            stall = self._pace.stall_after(positions) or timeout * COLD_STALL_SHARE
+            stall = (self._pace.stall_after(positions, self._in_flight)
+                     or timeout * COLD_STALL_SHARE)
             # Each replay for a stall doubles the next wait: a pipeline that is
             # merely slow, not losing frames, is soon waited for long enough.
             wait = min(timeout, stall * 2 ** gen.recoveries)
+            self._in_flight += positions
             try:
                 async with asyncio.timeout(wait):
                     frame = await gen.result
@@ -228,6 +246,8 @@ class TokenLoop:
                 await self._recover(gen, f"no result for step {gen.step} within {wait:.1f} s, "
                                     "far longer than steps of late: taken as lost in transit")
                 continue
+            finally:
+                self._in_flight -= positions
             self._pace.record(positions, time.monotonic() - sent)
             gen.synced = len(gen.history)
             gen.refusals, gen.refused_since = 0, None
