@@ -385,13 +385,15 @@ def tiny_llama_in(tiny_llama_gguf: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """The tiny Llama's GGUF in a block type: its own F16 file, or that rewritten once per
     module (`requantize`), for the tests that chain, batch and regroup rows of each type."""
-    made: dict[str, Path] = {"F16": tiny_llama_gguf / GGUF_FILE}
+    source = tiny_llama_gguf / GGUF_FILE
+    made: dict[str, Path] = {"F16": source}
     folder = tmp_path_factory.mktemp("block-types")
+    reader = gguf.GGUFReader(str(source))
 
     def in_type(qtype: str) -> Path:
         if qtype not in made:
-            made[qtype] = requantize(tiny_llama_gguf / GGUF_FILE, folder / f"{qtype}.gguf",
-                                     gguf.GGMLQuantizationType[qtype])
+            made[qtype] = requantize(source, folder / f"{qtype}.gguf",
+                                     gguf.GGMLQuantizationType[qtype], reader)
         return made[qtype]
 
     return in_type

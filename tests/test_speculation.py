@@ -333,7 +333,8 @@ async def test_a_stage_killed_while_drafts_are_in_flight_is_replayed_exactly(
     plant = make_plant(smollm2_dir, stages=2, broker=mosquitto_broker.url,
                        plant_id="spec-failover", replicas=2, weights="gguf")
     plant = plant.model_copy(update={
-        "stages": [s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB}) for s in plant.stages],
+        "stages": [s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB, "threads": STAGE_THREADS})
+                   for s in plant.stages],
         "liveness": Liveness(heartbeat_s=0.5, timeout_s=2.0, stage_wait_s=10.0),
         "coordinator": plant.coordinator.model_copy(update={
             **LIMITS, "request_timeout_s": 30.0,
