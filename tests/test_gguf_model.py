@@ -11,6 +11,7 @@ and the plant's answers to llama.cpp run whole on the file.
 from __future__ import annotations
 
 import filecmp
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +19,6 @@ from typing import Any
 import gguf
 import pytest
 from brokers import BrokerHandle
-from gguf_models import tiny_gguf
 from pipeline import ask_all, plant_for, running
 from test_llamacpp import KV_BUDGET_MB, LIMITS, SPLITS, STAGE_THREADS, reference, requests
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -68,10 +68,10 @@ def test_the_config_read_from_the_gguf_is_the_imported_config(bundled: Path,
 
 @pytest.mark.parametrize("family", ["qwen2", "deepseek_v3"])
 def test_the_config_of_other_architectures_is_their_config_json(
-        family: str, smollm2_dir: Path, tmp_path: Path) -> None:
+        family: str, tiny_family_gguf: Callable[[str], Path]) -> None:
     """Qwen2 (biases, GQA) and DeepSeek (MLA, MoE after a dense layer), converted by
     llama.cpp's converter from tiny random checkpoints."""
-    model_dir = tiny_gguf(family, tmp_path / family, smollm2_dir)
+    model_dir = tiny_family_gguf(family)
     _same_config(model_dir / GGUF_FILE, model_dir)
 
 

@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 import pytest
 from brokers import BrokerHandle
-from gguf_models import requantize, tiny_gguf, tiny_random_gguf
+from gguf_models import requantize, tiny_random_gguf
 from llama_cpp import Llama
 from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running
 from test_pipeline import MAX_TOKENS, SMOLLM2_SPLITS
@@ -498,10 +498,10 @@ FAMILY_SPLITS = {
 
 
 @pytest.fixture(scope="module", params=FAMILY_SPLITS, ids=FAMILY_SPLITS)
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-           smollm2_dir: Path) -> tuple[str, Path]:
+def family(request: pytest.FixtureRequest,
+           tiny_family_gguf: Callable[[str], Path]) -> tuple[str, Path]:
     name: str = request.param
-    return name, tiny_gguf(name, tmp_path_factory.mktemp(name), smollm2_dir)
+    return name, tiny_family_gguf(name)
 
 
 @pytest.mark.slow
