@@ -164,6 +164,22 @@ def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path)
 
 
 @pytest.fixture(scope="session")
+def tiny_family_gguf(tmp_path_factory: pytest.TempPathFactory,
+                     smollm2_dir: Path) -> Callable[[str], Path]:
+    """`tiny_family_gguf("qwen2")`: that tiny random family with its GGUF beside it
+    (gguf_models.tiny_gguf), converted once a run for every test that reads or runs it."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = tiny_gguf(family, tmp_path_factory.mktemp(f"{family}-gguf"),
+                                     smollm2_dir)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def deepseek_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The tiny random DeepSeek-V3 (MLA, dense layer 0, MoE after), one checkpoint file."""
     return build_tiny("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"), smollm2_dir)

@@ -38,12 +38,16 @@ def tiny_gguf(family: str, dest: Path, tokenizer_dir: Path) -> Path:
     return dest
 
 
-def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType,
+               reader: gguf.GGUFReader | None = None) -> Path:
     """The GGUF file `dest`: the GGUF file `source` with every quantized or F16 matrix as
     `qtype`, the F32 tensors (norms) as they are, and the same metadata (vocabulary, config).
-    An F16 source (a tiny model from `tiny_gguf`) so becomes a file of any block type."""
+    An F16 source (a tiny model from `tiny_gguf`) so becomes a file of any block type.
+
+    `reader`: `source` as gguf-py read it, for a caller writing several types of one file
+    (reading a 49k-token vocabulary's fields takes gguf-py seconds)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    reader = gguf.GGUFReader(str(source))
+    reader = reader or gguf.GGUFReader(str(source))
     arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
     writer = gguf.GGUFWriter(str(dest), arch=arch)
     for field in reader.fields.values():

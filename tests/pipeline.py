@@ -48,15 +48,21 @@ READY_TIMEOUT_S = 30.0
 
 def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int, int]], *,
               weights: WeightMode = "fp32", engine: EngineName = "auto",
-              kv_budget_mb: int = 512, **coordinator: object) -> Plant:
-    """A plant over `broker` with one stage per layer range, on a topic root of its own."""
+              kv_budget_mb: int = 512, threads: int | None = None,
+              **coordinator: object) -> Plant:
+    """A plant over `broker` with one stage per layer range, on a topic root of its own.
+
+    `threads`: each stage's (None: the plant file's default, all cores for llama.cpp). A
+    plant run inside the test process has its stages share the test's cores: on tiny
+    models, one thread each spends the CPU on the path under test, not on OpenMP's
+    threads waiting at barriers for each other."""
     return Plant(
         plant_id="test", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
         broker=BrokerSettings(url=f"mqtt://{broker.host}:{broker.port}",
                               protocol="5" if broker.mqtt5 else "3.1.1"),
         model=model_dir,
         stages=[StageSpec(node=f"stage-{i}", layers=layers, weights=weights, engine=engine,
-                          kv_budget_mb=kv_budget_mb)
+                          kv_budget_mb=kv_budget_mb, threads=threads)
                 for i, layers in enumerate(splits)],
         coordinator=CoordinatorSpec(**coordinator))  # type: ignore[arg-type]
 

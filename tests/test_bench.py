@@ -330,8 +330,9 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
 
     def plant(url: str) -> Plant:
         made = make_plant(smollm2_dir, stages=2, broker=url, plant_id="spec", weights="gguf")
+        # One thread a stage: its two stages share this box's two cores.
         return made.model_copy(update={"stages": [
-            s.model_copy(update={"kv_budget_mb": 32}) for s in made.stages],
+            s.model_copy(update={"kv_budget_mb": 32, "threads": 1}) for s in made.stages],
             "coordinator": made.coordinator.model_copy(update={
                 "max_prompt_tokens": 256, "max_tokens_limit": 16})})
 

@@ -11,6 +11,7 @@ and the plant's answers to llama.cpp run whole on the file.
 from __future__ import annotations
 
 import filecmp
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,16 +19,15 @@ from typing import Any
 import gguf
 import pytest
 from brokers import BrokerHandle
-from gguf_models import tiny_gguf
 from pipeline import ask_all, plant_for, running
-from test_llamacpp import KV_BUDGET_MB, LIMITS, SPLITS, reference, requests
+from test_llamacpp import KV_BUDGET_MB, LIMITS, SPLITS, STAGE_THREADS, reference, requests
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from edgebus.cli import main
 from edgebus.core.errors import EngineError, PlantConfigError
 from edgebus.core.paths import GGUF_FILE
 from edgebus.model_import import bundled_gguf
-from node_agent import gguf_model
+from node_agent import gguf_model, gguf_profile
 from node_agent.costs import model_costs, profiled_model
 from node_agent.engines.llamacpp import library, stage_gguf
 from node_agent.gguf_tokenizer import GgufTokenizer
@@ -68,10 +68,10 @@ def test_the_config_read_from_the_gguf_is_the_imported_config(bundled: Path,
 
 @pytest.mark.parametrize("family", ["qwen2", "deepseek_v3"])
 def test_the_config_of_other_architectures_is_their_config_json(
-        family: str, smollm2_dir: Path, tmp_path: Path) -> None:
+        family: str, tiny_family_gguf: Callable[[str], Path]) -> None:
     """Qwen2 (biases, GQA) and DeepSeek (MLA, MoE after a dense layer), converted by
     llama.cpp's converter from tiny random checkpoints."""
-    model_dir = tiny_gguf(family, tmp_path / family, smollm2_dir)
+    model_dir = tiny_family_gguf(family)
     _same_config(model_dir / GGUF_FILE, model_dir)
 
 
@@ -133,7 +133,7 @@ async def test_a_plant_naming_the_gguf_answers_what_llamacpp_answers_whole(
     tokenizer: a chat, a prompt of three chunks and short prompts, in flight together."""
     reqs = requests()[:4]
     plant = plant_for(bundled, amqtt_broker, SPLITS["3-stages"], weights="gguf",
-                      kv_budget_mb=KV_BUDGET_MB, **LIMITS)
+                      kv_budget_mb=KV_BUDGET_MB, threads=STAGE_THREADS, **LIMITS)
     async with running(plant) as stages:
         responses = await ask_all(plant, reqs)
     assert stages[0].model.config.num_hidden_layers == 30
@@ -242,6 +242,11 @@ def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
     """`edgebus plan` on a plant naming the GGUF: a profile measured in llama.cpp, cached in
     $EDGEBUS_HOME, and each stage's weight bytes the file's tensors of its parts."""
     monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))
+    # One timed round, no warm-up: what is under test is where the profile comes from and
+    # goes, and the sizes; how steady its times are is the bench's (this profile is the
+    # test's own, in its own home).
+    monkeypatch.setattr(gguf_profile, "WARMUP_ROUNDS", 0)
+    monkeypatch.setattr(gguf_profile.measure, "__kwdefaults__", {"rounds": 1})
     plant = make_plant(bundled, stages=3, weights="gguf")
     boxes = [{"name": s.node, "memory_mb": 4096, "speed": 1.0} for s in plant.stages]
     path = tmp_path / "plant.yaml"

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,7 +33,7 @@ import gguf
 import numpy as np
 import pytest
 from brokers import BrokerHandle
-from gguf_models import requantize, tiny_gguf, tiny_random_gguf
+from gguf_models import requantize, tiny_random_gguf
 from llama_cpp import Llama
 from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running
 from test_pipeline import MAX_TOKENS, SMOLLM2_SPLITS
@@ -52,7 +53,7 @@ from node_agent.engines import (
 from node_agent.engines.base import CacheFull
 from node_agent.engines.llamacpp import library, rebuild_hint, stage_gguf
 from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
-from node_agent.model_config import kv_bytes_per_token
+from node_agent.model_config import kv_bytes_per_token, load_config
 from plant_config import Plant, make_plant
 
 # 1, 2 and 3 stages, as the engine's exactness claim is stated (issue 19, README): SmolLM2
@@ -68,6 +69,9 @@ LIMITS = {"max_prompt_tokens": 512, "max_tokens_limit": 64}
 KV_BUDGET_MB = 160
 # For engines a test loads itself: a request of 256 positions, a few MiB of KV.
 SMALL = ContextShape(kv_budget_bytes=32 * 2**20, positions=256, batch_positions=128)
+# The stages of a plant in the test process share its cores: one thread each (see
+# pipeline.plant_for), except where the threads are what a test is about.
+STAGE_THREADS = 1
 TOPICS = ["press 3", "the conveyor", "a hydraulic pump", "the paint line", "robot cell 2"]
 
 
@@ -120,7 +124,8 @@ async def _check_split(model: Path, broker: BrokerHandle, split: list[tuple[int,
     and its requests must still overlap."""
     reqs = [r.model_copy(update=tiny or {}) for r in requests()]
     assert len(prompt_ids(model, reqs[1])) > 256  # three chunks: 64 + 128 + the rest
-    plant = plant_for(model, broker, split, weights="gguf", kv_budget_mb=KV_BUDGET_MB, **LIMITS)
+    plant = plant_for(model, broker, split, weights="gguf", kv_budget_mb=KV_BUDGET_MB,
+                      threads=STAGE_THREADS, **LIMITS)
     async with running(plant) as stages:
         responses = await _ask_staggered(plant, reqs)
         for stage in stages:  # the sequences go back to llama.cpp once the requests end
@@ -140,7 +145,8 @@ async def test_three_stages_over_mosquitto(tiny_llama_gguf: Path,
                                            mosquitto_broker: BrokerHandle) -> None:
     reqs = [r.model_copy(update={"ignore_eos": True}) for r in requests()[:4]]
     plant = plant_for(tiny_llama_gguf, mosquitto_broker, TINY_SPLITS["3-stages"],
-                      weights="gguf", kv_budget_mb=KV_BUDGET_MB, **LIMITS)
+                      weights="gguf", kv_budget_mb=KV_BUDGET_MB, threads=STAGE_THREADS,
+                      **LIMITS)
     async with running(plant):
         responses = await ask_all(plant, reqs)
     for request, response in zip(reqs, responses, strict=True):
@@ -314,10 +320,14 @@ def test_another_checkpoint_of_the_same_shape_gets_stage_files_of_its_own(
                                  cache=cache) != cut["same.gguf"]
 
 
-def test_hidden_states_of_a_stage_are_the_whole_models(smollm2_gguf: Path) -> None:
+def test_hidden_states_of_a_stage_are_the_whole_models(
+        tiny_llama_in: Callable[[str], Path]) -> None:
     """Three stages chained give the whole model's logits bit for bit, for a prompt chunk
-    and for decode rows of two requests batched in one call."""
-    _assert_chain_is_whole(smollm2_gguf, 30, SPLITS["3-stages"])
+    and for decode rows of two requests batched in one call: the tiny Llama in the shipped
+    SmolLM2 file's block type. (The shipped file's own cuts are held to llama.cpp whole,
+    token for token, by test_smollm2_through_three_stages_answers_what_llamacpp_answers_whole.)
+    """
+    _assert_chain_is_whole(tiny_llama_in("Q4_1"), 6, TINY_SPLITS["3-stages"])
 
 
 def test_moe_stages_hold_their_own_experts_and_chain_exactly(
@@ -342,8 +352,8 @@ def test_moe_stages_hold_their_own_experts_and_chain_exactly(
 
 
 def _assert_chain_is_whole(model: Path, layers: int, splits: list[tuple[int, int]]) -> None:
-    whole = load_engine(model, 0, layers, weights="gguf", threads=2, shape=SMALL)
-    chain = [load_engine(model, a, b, weights="gguf", threads=2, shape=SMALL)
+    whole = load_engine(model, 0, layers, weights="gguf", threads=1, shape=SMALL)
+    chain = [load_engine(model, a, b, weights="gguf", threads=1, shape=SMALL)
              for a, b in splits]
     # Ids within every tested vocabulary (the tiny ones hold 2000).
     prompts = [np.array([[1, 969, 198, 1683, 359, 253]]), np.array([[1, 504, 1295]])]
@@ -370,17 +380,35 @@ def _assert_chain_is_whole(model: Path, layers: int, splits: list[tuple[int, int
             stage.close()
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_in(tiny_llama_gguf: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The tiny Llama's GGUF in a block type: its own F16 file, or that rewritten once per
+    module (`requantize`), for the tests that chain, batch and regroup rows of each type."""
+    source = tiny_llama_gguf / GGUF_FILE
+    made: dict[str, Path] = {"F16": source}
+    folder = tmp_path_factory.mktemp("block-types")
+    reader = gguf.GGUFReader(str(source))
+
+    def in_type(qtype: str) -> Path:
+        if qtype not in made:
+            made[qtype] = requantize(source, folder / f"{qtype}.gguf",
+                                     gguf.GGMLQuantizationType[qtype], reader)
+        return made[qtype]
+
+    return in_type
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16"])
-def test_every_block_type_splits_exactly(tiny_llama_gguf: Path, tmp_path: Path,
+def test_every_block_type_splits_exactly(tiny_llama_in: Callable[[str], Path],
                                          qtype: str) -> None:
     """Stage files are cut from GGUFs of each block type (the tiny Llama's F16 matrices
     rewritten in it): the chain's logits, for a prompt and 8 greedy steps, are the whole
     model's bit for bit. (test_hidden_states_of_a_stage_are_the_whole_models cuts the
     shipped SmolLM2 file.)"""
-    model = requantize(tiny_llama_gguf / GGUF_FILE, tmp_path / f"{qtype}.gguf",
-                       gguf.GGMLQuantizationType[qtype])
-    whole = load_engine(model, 0, 6, weights="gguf", threads=2, shape=SMALL)
-    chain = [load_engine(model, a, b, weights="gguf", threads=2, shape=SMALL)
+    model = tiny_llama_in(qtype)
+    whole = load_engine(model, 0, 6, weights="gguf", threads=1, shape=SMALL)
+    chain = [load_engine(model, a, b, weights="gguf", threads=1, shape=SMALL)
              for a, b in TINY_SPLITS["3-stages"]]
     caches = [[stage.new_cache(0)] for stage in [whole, *chain]]
     x, start = np.array([[1, 9690, 198, 2683, 359, 253, 5356, 5646]]), 0
@@ -398,12 +426,14 @@ def test_every_block_type_splits_exactly(tiny_llama_gguf: Path, tmp_path: Path,
 
 
 def test_decode_rows_with_gapped_sequence_ids_run_as_one_pass_and_exactly(
-        smollm2_gguf: Path) -> None:
+        tiny_llama_in: Callable[[str], Path]) -> None:
     """Rows whose sequence ids have gaps get consecutive ids before their call (llama.cpp
     would run one micro-batch per run of ids), and their logits stay each sequence's own,
-    bit for bit: the same steps in an engine where every sequence runs alone."""
-    batched = load_engine(smollm2_gguf, 0, 30, weights="gguf", threads=2, shape=SMALL)
-    alone = load_engine(smollm2_gguf, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    bit for bit: the same steps in an engine where every sequence runs alone. (Q4_1: its
+    rows are batch invariant, so they run as one call.)"""
+    model = tiny_llama_in("Q4_1")
+    batched = load_engine(model, 0, 6, weights="gguf", threads=1, shape=SMALL)
+    alone = load_engine(model, 0, 6, weights="gguf", threads=1, shape=SMALL)
     prompts = [np.array([[1, 9690, 198, 2683 + i]]) for i in range(5)]
     held = [batched.new_cache(0) for _ in prompts]
     for prompt, cache in zip(prompts, held, strict=True):
@@ -431,15 +461,14 @@ def test_decode_rows_with_gapped_sequence_ids_run_as_one_pass_and_exactly(
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "F16"])
 def test_decode_rows_in_a_batch_compute_what_each_computes_alone(
-        smollm2_gguf: Path, tmp_path: Path, qtype: str) -> None:
+        tiny_llama_in: Callable[[str], Path], qtype: str) -> None:
     """Whatever the block type: on this EPYC, F16 rows in one call are not bitwise the rows
     alone (llamafile's sgemm takes products of 2 rows and more), Q4_1 rows are. The engine
     finds out at load, and runs F16 decode rows one call each, so that a request's logits
     never depend on who shares its step."""
-    model = smollm2_gguf if qtype == "Q4_1" else requantize(
-        smollm2_gguf, tmp_path / f"{qtype}.gguf", gguf.GGMLQuantizationType[qtype])
-    batched = load_engine(model, 0, 30, weights="gguf", threads=2, shape=SMALL)
-    alone = load_engine(model, 0, 30, weights="gguf", threads=2, shape=SMALL)
+    model = tiny_llama_in(qtype)
+    batched = load_engine(model, 0, 6, weights="gguf", threads=1, shape=SMALL)
+    alone = load_engine(model, 0, 6, weights="gguf", threads=1, shape=SMALL)
     assert batched.batch_invariant == (qtype == "Q4_1")  # type: ignore[attr-defined]
     prompts = [np.array([[1, 9690, 198, 2683 + i]]) for i in range(4)]
     rows = [batched.new_cache(0) for _ in prompts]
@@ -469,10 +498,10 @@ FAMILY_SPLITS = {
 
 
 @pytest.fixture(scope="module", params=FAMILY_SPLITS, ids=FAMILY_SPLITS)
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-           smollm2_dir: Path) -> tuple[str, Path]:
+def family(request: pytest.FixtureRequest,
+           tiny_family_gguf: Callable[[str], Path]) -> tuple[str, Path]:
     name: str = request.param
-    return name, tiny_gguf(name, tmp_path_factory.mktemp(name), smollm2_dir)
+    return name, tiny_family_gguf(name)
 
 
 @pytest.mark.slow
@@ -484,7 +513,7 @@ async def test_other_architectures_split_exactly(family: tuple[str, Path],
     name, family_dir = family
     reqs = requests()[2:]  # six short prompts: tiny models, so many requests cost little
     plant = plant_for(family_dir, amqtt_broker, FAMILY_SPLITS[name], weights="gguf",
-                      kv_budget_mb=KV_BUDGET_MB, **LIMITS)
+                      kv_budget_mb=KV_BUDGET_MB, threads=STAGE_THREADS, **LIMITS)
     async with running(plant):
         responses = await _ask_staggered(plant, reqs)
     for request, response in zip(reqs, responses, strict=True):
@@ -529,16 +558,17 @@ def test_init_gives_a_deep_llama_cpp_stage_room_for_a_batch_of_the_longest_reque
 
 
 async def test_requests_past_the_sequences_wait_or_are_told_busy(
-        smollm2_gguf: Path, amqtt_broker: BrokerHandle) -> None:
+        tiny_llama_gguf: Path, amqtt_broker: BrokerHandle) -> None:
     """The coordinator books a llama.cpp stage by its sequences: a request past them waits
     for one to free (or is answered `busy` if none was free when it came), and is never
     sent to a stage that would have to refuse it."""
-    # 30 layers x 3 kv heads x 64 x 2 (K, V) x 2 bytes a position, 256 positions a request:
-    # room for two requests' shares.
-    share = 256 * 30 * 3 * 64 * 2 * 2
-    plant = plant_for(smollm2_gguf, amqtt_broker, [(0, 30)], weights="gguf",
-                      kv_budget_mb=-(-2 * share // 2**20), max_prompt_tokens=200,
-                      max_tokens_limit=56)
+    # 6 layers x 2 kv heads x 16 x 2 (K, V) x 2 bytes a position, 1024 positions a request
+    # (0.75 MiB): a budget of whole MiB with room for two requests' shares, not three.
+    limits = {"max_prompt_tokens": 968, "max_tokens_limit": 56}
+    share = ContextShape(0, sum(limits.values()), 0).share_bytes(
+        kv_bytes_per_token(load_config(tiny_llama_gguf), (0, 6), KV_ITEM_BYTES))
+    plant = plant_for(tiny_llama_gguf, amqtt_broker, [(0, 6)], weights="gguf",
+                      kv_budget_mb=-(-2 * share // 2**20), threads=STAGE_THREADS, **limits)
     reqs = [GenerateRequest(id=f"r{i}", prompt=f"Fault {i} of the press is", max_tokens=40,
                             ignore_eos=True) for i in range(4)]
     async with running(plant) as stages:
@@ -549,17 +579,17 @@ async def test_requests_past_the_sequences_wait_or_are_told_busy(
     assert len(served) >= 2
     for response in served:
         request = next(r for r in reqs if r.id == response.id)
-        assert response.tokens == reference(smollm2_gguf, request)
+        assert response.tokens == reference(tiny_llama_gguf, request)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_a_stage_of_several_threads_computes_on_one_thread_only(
-        smollm2_gguf: Path, amqtt_broker: BrokerHandle, threads: int) -> None:
+        tiny_llama_gguf: Path, amqtt_broker: BrokerHandle, threads: int) -> None:
     """OpenMP keeps a thread team per calling thread, and two teams made libgomp sleep at
     every barrier (node_agent/stage.py): a stage of several threads must call its engine
     from one thread, whatever it computes. One thread has no team: its decode rows run on
     the event loop, which saves a thread hand-off a hop."""
-    plant = plant_for(smollm2_gguf, amqtt_broker, [(0, 30)], weights="gguf",
+    plant = plant_for(tiny_llama_gguf, amqtt_broker, [(0, 6)], weights="gguf",
                       kv_budget_mb=KV_BUDGET_MB, **LIMITS)
     plant = plant.model_copy(update={"stages": [
         spec.model_copy(update={"threads": threads}) for spec in plant.stages]})

@@ -297,9 +297,16 @@ def test_plan_table(tmp_path: Path, smollm2_dir: Path, smollm2_costs: ModelCosts
 
 @pytest.mark.parametrize("family", ["qwen2", "deepseek_v3"])
 def test_weight_bytes_are_what_a_loaded_stage_holds(
-        family: str, tmp_path: Path, smollm2_dir: Path) -> None:
+        family: str, tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Imported here: the torch profiler's module imports torch (a base install has none).
+    from node_agent import profile
+
     # qwen2: a tied head, and one stage holding embedding and head; deepseek_v3: MoE experts.
     model_dir = build_tiny(family, tmp_path, smollm2_dir)
+    # The sizes are under test, not the times: one timed round, no warm-up, for the
+    # profile model_costs makes of this model of the test's own.
+    monkeypatch.setattr(profile, "WARMUP_ROUNDS", 0)
+    monkeypatch.setattr(profile.measure, "__kwdefaults__", {"rounds": 1})
     costs, _, _ = model_costs(model_dir)
     # Each mode on the engine `auto` runs it on; onnxruntime (int8, int4) does not run
     # DeepSeek's latent attention, and holds its weights in graph files whose protobuf

@@ -47,6 +47,9 @@ from plant_config.schema import Speculation
 SPLITS = {name: SMOLLM2_SPLITS[name] for name in ("1-stage", "2-stages", "3-stages")}
 LIMITS = {"max_prompt_tokens": 256, "max_tokens_limit": 64}
 KV_BUDGET_MB = 64
+# The stages of a plant in the test process share its cores: one thread each
+# (pipeline.plant_for).
+STAGE_THREADS = 1
 DRAFTS = Speculation(drafts=3)
 ALARM = ("ALARM 4711 press line 2: hydraulic oil temperature 71 C above limit 65 C, "
          "pump P2 stopped at 14:02, operator acknowledged at 14:05.")
@@ -245,7 +248,7 @@ async def test_a_stage_drops_rejected_drafts_and_never_computes_superseded_ones(
 def _plant(model: Path, broker: BrokerHandle, split: list[tuple[int, int]],
            speculation: Speculation) -> Plant:
     return plant_for(model, broker, split, weights="gguf", kv_budget_mb=KV_BUDGET_MB,
-                     speculation=speculation, **LIMITS)
+                     threads=STAGE_THREADS, speculation=speculation, **LIMITS)
 
 
 @pytest.mark.slow
@@ -330,7 +333,8 @@ async def test_a_stage_killed_while_drafts_are_in_flight_is_replayed_exactly(
     plant = make_plant(smollm2_dir, stages=2, broker=mosquitto_broker.url,
                        plant_id="spec-failover", replicas=2, weights="gguf")
     plant = plant.model_copy(update={
-        "stages": [s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB}) for s in plant.stages],
+        "stages": [s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB, "threads": STAGE_THREADS})
+                   for s in plant.stages],
         "liveness": Liveness(heartbeat_s=0.5, timeout_s=2.0, stage_wait_s=10.0),
         "coordinator": plant.coordinator.model_copy(update={
             **LIMITS, "request_timeout_s": 30.0,
