@@ -28,6 +28,7 @@ from pipeline import plant_reference
 from edgebus.core.client import BusClient
 from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
 from edgebus.core.processes import child_setup
+from node_agent.cancel import cancel_all
 from plant_config import Plant
 
 # Agents importing torch side by side on a 2-core box take ~10-40 s.
@@ -174,9 +175,8 @@ async def gateway(plant: Plant, client_id: str = "plc", *,
             await client.wait_connected(10)
         yield gw, bus
     finally:
-        for runner in runners:
-            runner.cancel()
-        await asyncio.gather(*runners, return_exceptions=True)
+        # Not cancel and gather: Python 3.11's wait_for, inside aiomqtt, may lose a cancel.
+        await cancel_all(runners)
 
 
 async def send(bus: BusClient, plant: Plant, batch: list[GenerateRequest],

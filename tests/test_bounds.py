@@ -12,16 +12,17 @@ the model, and its stages load and answer in a fraction of SmolLM2's time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiomqtt
 import paho.mqtt.client as paho
+import pytest
 import torch
 from brokers import MosquittoBroker
 from paho.mqtt.enums import CallbackAPIVersion
@@ -33,6 +34,7 @@ from edgebus.core import frames
 from edgebus.core.client import MAX_QUEUED_OUT_BYTES, QUEUED_MESSAGE_BYTES, BusClient
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.frames import Header, Kind
+from node_agent.cancel import cancel_all
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.stage_inbox import waiting_limit
 from plant_config import Plant, make_plant, write_plant
@@ -82,17 +84,43 @@ def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path) -> tup
     return path, plant
 
 
+@dataclass
+class BoundedPlant:
+    """The module's plant: its agents as OS processes over its own Mosquitto."""
+
+    plant: Plant
+    agents: AgentProcesses
+    broker: MosquittoBroker
+
+
+@pytest.fixture(scope="module")
+def bounded(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[BoundedPlant]:
+    """One plant for the module (its agents' start, importing torch, was most of each test's
+    time): each test targets a stage of its own, and leaves it with nothing waiting."""
+    workdir = tmp_path_factory.mktemp("bounds")
+    broker = MosquittoBroker(workdir / "mosquitto")
+    with broker.conf_path.open("a") as conf:
+        conf.write(ROOMY_QUEUE)
+    with broker:
+        path, plant = write_plant_file(tiny_llama, broker, workdir)
+        with AgentProcesses(path, workdir) as agents:
+            for stage in plant.stages:
+                agents.start_stage(stage.node)
+            agents.start_coordinator()
+            yield BoundedPlant(plant, agents, broker)
+        print(f"--- {broker!r} log ---\n{broker.log_tail()}")
+
+
 @asynccontextmanager
-async def plant_running(model: Path, broker: MosquittoBroker, workdir: Path
+async def plant_running(bounded: BoundedPlant, client_id: str
                         ) -> AsyncIterator[tuple[Plant, AgentProcesses, Gateway, BusClient]]:
-    path, plant = write_plant_file(model, broker, workdir)
-    with AgentProcesses(path, workdir) as agents:
-        for stage in plant.stages:
-            agents.start_stage(stage.node)
-        agents.start_coordinator()
-        async with gateway(plant) as (gw, bus):
-            await gw.until_online([*(s.node for s in plant.stages), plant.coordinator.id])
-            yield plant, agents, gw, bus
+    """The module's plant, every agent online, and a gateway of `client_id` (a session of
+    each test's own)."""
+    plant = bounded.plant
+    async with gateway(plant, client_id) as (gw, bus):
+        await gw.until_online([*(s.node for s in plant.stages), plant.coordinator.id])
+        yield plant, bounded.agents, gw, bus
 
 
 def budget(plant: Plant, node: str) -> int:
@@ -123,16 +151,17 @@ def _status_kib(pid: int, field: str) -> int:
 
 
 async def test_an_lz4_bomb_costs_a_stage_nothing_and_valid_requests_stay_exact(
-        tiny_llama: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
+        bounded: BoundedPlant) -> None:
     bomb = lz4_bomb()  # 8 frames, 4 MiB on the wire, 1 GiB once decompressed
-    async with plant_running(tiny_llama, mosquitto_broker, tmp_path) as (plant, agents, gw, bus):
-        warm = requests(TOKENS, prefix="warm", count=2)
-        await send(bus, plant, warm)  # the stage's heap grows to its working size first
+    client = "plc-bomb"
+    async with plant_running(bounded, client) as (plant, agents, gw, bus):
+        warm = requests(TOKENS, prefix="bomb-warm", count=2)
+        await send(bus, plant, warm, client)  # the stage's heap grows to its working size first
         await gw.until(lambda: all(r.id in gw.responses for r in warm), WAIT_S)
         target = plant.pipeline[1].node_ids[0]
         resting = reset_peak(agents.pid(target))
-        batch = requests(TOKENS, prefix="valid", count=4)
-        await send(bus, plant, batch)
+        batch = requests(TOKENS, prefix="bomb-valid", count=4)
+        await send(bus, plant, batch, client)
         await bus.publish(plant.topics.activations(target), bomb, qos=1)
         await gw.until(lambda: all(r.id in gw.responses for r in batch)
                        and bool(gw.messages("exceeds the largest legal frame")), WAIT_S)
@@ -193,21 +222,20 @@ class ErrorCounter:
 
 
 async def test_a_flood_of_frames_is_refused_at_the_bound_and_every_frame_accounted_for(
-        tiny_llama: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
-    mosquitto_broker.stop()
-    with mosquitto_broker.conf_path.open("a") as conf:
-        conf.write(ROOMY_QUEUE)
-    mosquitto_broker.start()
+        bounded: BoundedPlant) -> None:
+    broker = bounded.broker
     flood = [flood_message(m * FLOOD_FRAMES) for m in range(FLOOD_MESSAGES)]
     total = FLOOD_MESSAGES * FLOOD_FRAMES
-    async with plant_running(tiny_llama, mosquitto_broker, tmp_path) as (plant, agents, gw, bus):
+    client = "plc-flood"
+    async with plant_running(bounded, client) as (plant, agents, gw, bus):
         target = plant.pipeline[0].node_ids[0]
         resting = reset_peak(agents.pid(target))
-        counter = ErrorCounter(mosquitto_broker, plant.topics.activations(plant.coordinator.id))
+        refused_before = gw.metric(target, "refused_frames")
+        counter = ErrorCounter(broker, plant.topics.activations(plant.coordinator.id))
         try:
-            batch = requests(TOKENS, prefix="valid", count=4)
-            await send(bus, plant, batch)
-            async with aiomqtt.Client(mosquitto_broker.host, mosquitto_broker.port) as flooder:
+            batch = requests(TOKENS, prefix="flood-valid", count=4)
+            await send(bus, plant, batch, client)
+            async with aiomqtt.Client(broker.host, broker.port) as flooder:
                 for offset in range(0, FLOOD_MESSAGES, FLOOD_WINDOW):
                     await asyncio.gather(*(
                         flooder.publish(plant.topics.activations(target), message, qos=1)
@@ -222,8 +250,8 @@ async def test_a_flood_of_frames_is_refused_at_the_bound_and_every_frame_account
         finally:
             counter.close()
         grown = peak(agents.pid(target)) - resting
-        await gw.until(lambda: gw.metric(target, "refused_frames") > 0, 30)
-        refused = gw.metric(target, "refused_frames")
+        await gw.until(lambda: gw.metric(target, "refused_frames") > refused_before, 30)
+        refused = gw.metric(target, "refused_frames") - refused_before
         # Once the flood drained, every byte counted against the bound is given back
         # (a heartbeat says so within seconds, or this wait fails).
         await gw.until(lambda: gw.metric(target, "waiting_bytes") == 0, 60)
@@ -276,8 +304,6 @@ async def test_a_broker_that_stops_reading_makes_send_refuse_past_the_outgoing_b
                 while sender.queued_bytes:
                     await asyncio.sleep(0.05)
         finally:
-            running.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await running
+            await cancel_all([running])
     # The first that fitted, each once; the refused ones never left.
     assert sorted(got) == list(range(fits))

@@ -46,6 +46,7 @@ from edgebus.core.client import BusClient
 from edgebus.core.errors import BusError, EdgebusError, PlantConfigError
 from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
 from edgebus.core.processes import LOOPBACK, free_port
+from node_agent.cancel import cancel_all
 from plant_config import BrokerSettings, Plant, StageSpec, load_plant
 from plant_config.broker_section import BrokerTls, Security
 from plant_config.credentials import password_path
@@ -415,8 +416,7 @@ async def test_a_tls_connection_with_a_ca_made_here(tmp_path: Path, mutual: bool
         try:
             await bus.wait_connected(WAIT_S)
         finally:
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
+            await cancel_all([runner])
         # Without trusting the CA (and, with mutual TLS, without a client certificate)
         # the handshake fails. At most TLS 1.2: under 1.3 the broker rejects a
         # missing client certificate after the client's handshake has completed,

@@ -46,6 +46,7 @@ from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.messages import MAX_REQUEST_BYTES, AgentStatus, GenerateRequest
 from edgebus.core.topics import Topics
 from edgebus.status_view import table
+from node_agent.cancel import cancel_all
 from node_agent.runtime import presence
 from plant_config import Plant, write_plant
 
@@ -233,5 +234,4 @@ async def test_deliveries_held_near_the_window_are_reported_then_acknowledged(
             while bus.unacked:
                 await asyncio.sleep(POLL_S)
     finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        await cancel_all([running])

@@ -42,6 +42,10 @@ from plant_config import Liveness, Plant, make_plant, write_plant
 # Fast liveness so a test sees a dead node within seconds, as a plant would
 # within its own (longer) timeout.
 LIVENESS = Liveness(heartbeat_s=0.5, timeout_s=2.0, stage_wait_s=10.0)
+# The kill test's plant waits less for a stage with no live node: its last requests
+# wait all of it before they are answered `unavailable`. (The broker tests keep
+# LIVENESS: their stages are offline for as long as the broker takes to come back.)
+NO_STANDBY_WAIT_S = 4.0
 # Per-step timeout of the coordinator: the bound on "no request hangs".
 STEP_TIMEOUT_S = 30.0
 # Agents importing torch side by side on a 2-core box take ~10-20 s.
@@ -58,11 +62,11 @@ def requests(tokens: int = TOKENS) -> list[GenerateRequest]:
 
 
 def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path, *,
-                     replicas: int) -> tuple[Path, Plant]:
+                     replicas: int, liveness: Liveness = LIVENESS) -> tuple[Path, Plant]:
     plant = make_plant(model, stages=2, broker=broker.url, plant_id="failover",
                        replicas=replicas, weights="gguf")
     plant = plant.model_copy(update={
-        "liveness": LIVENESS,
+        "liveness": liveness,
         "coordinator": plant.coordinator.model_copy(
             update={"request_timeout_s": STEP_TIMEOUT_S})})
     path = workdir / "plant.yaml"
@@ -86,7 +90,9 @@ def failovers(gw: Gateway, plant: Plant) -> float:
 
 async def test_kill_9_of_a_stage_node_fails_over_to_its_standby(
         tiny_llama_gguf: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
-    path, plant = write_plant_file(tiny_llama_gguf, mosquitto_broker, tmp_path, replicas=2)
+    liveness = LIVENESS.model_copy(update={"stage_wait_s": NO_STANDBY_WAIT_S})
+    path, plant = write_plant_file(tiny_llama_gguf, mosquitto_broker, tmp_path, replicas=2,
+                                   liveness=liveness)
     victim, standby = plant.pipeline[1].node_ids
     frozen = plant.pipeline[0].node_ids[0]
     batch = requests()
@@ -113,7 +119,7 @@ async def test_kill_9_of_a_stage_node_fails_over_to_its_standby(
         sent = time.monotonic()
         await send(bus, plant, late)
         await gw.until(lambda: all(r.id in gw.responses for r in late),
-                       LIVENESS.stage_wait_s + 30)
+                       liveness.stage_wait_s + 30)
     # The Will: its retained status reads offline, in the MQTT session of its last
     # birth (the broker saw the connection die), and the coordinator replayed on
     # that, not on a missed heartbeat ("went offline" below).
@@ -131,7 +137,7 @@ async def test_kill_9_of_a_stage_node_fails_over_to_its_standby(
         error = gw.responses[request.id].error
         assert error is not None and error.code == "unavailable", error
         assert "stage 1" in error.message and standby in error.message
-        assert gw.received[request.id] - sent < LIVENESS.stage_wait_s + 5
+        assert gw.received[request.id] - sent < liveness.stage_wait_s + 5
 
 
 # Debian's Mosquitto saves its database every 30 minutes (autosave_interval

@@ -235,6 +235,10 @@ async def _until(condition: Callable[[], bool], what: str) -> None:
     assert condition(), what
 
 
+STAGE_WAIT_S = 6.0
+HASTY_TIMEOUT_S = 3.0
+
+
 async def test_busy_unavailable_and_timeout_statuses(tiny_llama: Path,
                                                      mosquitto_broker: BrokerHandle) -> None:
     """429 (the coordinator's limit and the gateway's own), 503 and 504, with no stage up.
@@ -244,10 +248,12 @@ async def test_busy_unavailable_and_timeout_statuses(tiny_llama: Path,
     # Both gateways are `http`: its share of max_in_flight is the whole here.
     plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)], max_in_flight=2,
                       max_in_flight_per_client=2)
-    plant = plant.model_copy(update={"liveness": Liveness(stage_wait_s=12.0)})
+    # The hasty gateway gives up (504) before the coordinator stops waiting for a stage
+    # (503), and both waits bound the test's time: short, with room for the 429s between.
+    plant = plant.model_copy(update={"liveness": Liveness(stage_wait_s=STAGE_WAIT_S)})
     messages = [{"role": "user", "content": "hi"}]
     async with coordinator_only(plant) as coordinator, serving(plant) as patient, \
-            serving(plant, timeout_s=6.0, max_in_flight=1) as hasty:
+            serving(plant, timeout_s=HASTY_TIMEOUT_S, max_in_flight=1) as hasty:
         slow, fast = client(patient), client(hasty)
         started = time.monotonic()
         # Both wait for a stage: the coordinator's two slots are taken.
@@ -272,7 +278,7 @@ async def test_busy_unavailable_and_timeout_statuses(tiny_llama: Path,
     assert timed_out.status_code == 504 and timed_out.code == "timeout"
     assert gone.status_code == 503 and gone.code == "unavailable"
     assert "no live node" in gone.message
-    assert elapsed >= 12.0
+    assert elapsed >= STAGE_WAIT_S
 
 
 async def test_past_its_connection_bound_uvicorn_answers_503_at_once(

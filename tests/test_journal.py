@@ -17,6 +17,7 @@ from edgebus.core.client import BusClient
 from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import GenerateRequest, GenerateResponse
 from edgebus.core.processes import LOOPBACK, free_port
+from node_agent.cancel import cancel_all
 from node_agent.journal import (
     MAX_BAD,
     Entry,
@@ -121,8 +122,7 @@ async def test_a_request_journaled_before_security_was_turned_on_is_answered_onc
                     break
                 await asyncio.sleep(0.1)
     finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
+        await cancel_all([runner])
         broker.stop()
     # On the gateway's own topic, once, and gone from the journal.
     assert [(a.id, a.error.code if a.error else None) for a in answers] == [("before", "reply_to")]

@@ -29,6 +29,7 @@ from plant_gateway import Gateway, gateway, send
 from edgebus.core import frames
 from edgebus.core.frames import Peek
 from edgebus.core.messages import GenerateRequest
+from node_agent.cancel import cancel_all
 from node_agent.coordinator.agent import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Liveness, Plant, StageSpec
@@ -39,6 +40,10 @@ WAIT_S = 300.0
 # Small chunks, so a prompt travels as several prefill frames.
 CHUNK = 8
 RELAYED = "relayed"
+# The decode step whose frame is lost: a few steps in, so the coordinator has paced decode.
+LOST_STEP = 6
+# What the coordinator says of a step it found overdue (node_agent/coordinator/token_loop.py).
+OVERDUE = "taken as lost in transit"
 
 Drop = Callable[[Peek], bool]
 
@@ -114,8 +119,11 @@ async def relayed_plant(model: Path, broker: MosquittoBroker,
     finally:
         stop.set()
         await asyncio.gather(*tasks)
-        relaying.cancel()
-        await asyncio.gather(relaying, return_exceptions=True)
+        # Not a plain cancel: the relay is often mid-publish of stage 1's "offline" status
+        # now, and Python 3.11's wait_for (in aiomqtt's publish) loses a cancel that lands
+        # as the PUBACK does; the relay then waits for messages that never come (a run
+        # once hung here for 9 minutes). cancel_all cancels again until it ends.
+        await cancel_all([relaying])
 
 
 async def answer(plant: Plant, request: GenerateRequest) -> Gateway:
@@ -141,21 +149,29 @@ async def test_a_lost_prefill_frame_is_reported_by_the_next_stage_and_replayed(
     response = gw.responses[request.id]
     assert response.error is None, response.error
     assert response.tokens == reference_tokens(tiny_llama, request)
-    replays = gw.messages("replaying")
-    assert len(replays) == 1 and "a frame before it was lost" in replays[0], replays
+    assert_replayed_once_for(gw, "a frame before it was lost")
 
 
 async def test_a_lost_decode_frame_is_found_overdue_and_replayed(
         tiny_llama: Path, mosquitto_broker: MosquittoBroker) -> None:
     request = GenerateRequest(id="overdue", prompt="Summarise the lockout-tagout procedure "
                               "for a conveyor motor:", max_tokens=16, ignore_eos=True)
-    # The decode step for token 6 goes missing: nothing follows it for a stage to notice.
+    # A decode step from the sixth on goes missing: nothing follows it for a stage to
+    # notice. (From the sixth, not the sixth: a replay renumbers what follows it.)
     async with relayed_plant(tiny_llama, mosquitto_broker,
-                             lambda p: not p.prefill and p.step == 6) as (plant, relay):
+                             lambda p: not p.prefill and p.step >= LOST_STEP) as (plant, relay):
         gw = await answer(plant, request)
-    assert [p.step for p in relay.dropped] == [6]
+    [lost] = relay.dropped
     response = gw.responses[request.id]
     assert response.error is None, response.error
     assert response.tokens == reference_tokens(tiny_llama, request)
+    assert_replayed_once_for(gw, f"no result for step {lost.step} within")
+
+
+def assert_replayed_once_for(gw: Gateway, cause: str) -> None:
+    """One replay says `cause`. Any other is one the coordinator took for a step overdue
+    (STALL_MIN_S and more) that a loaded box held up, which a quiet one never does: not one
+    for the lost frame, which would be named, nor for any other cause."""
     replays = gw.messages("replaying")
-    assert len(replays) == 1 and "no result for step 6" in replays[0], replays
+    assert [cause in m for m in replays].count(True) == 1, replays
+    assert all(cause in m or OVERDUE in m for m in replays), replays

@@ -124,10 +124,12 @@ def test_watchdog_period_is_half_the_timeout_and_only_for_this_process(
 
 
 async def test_agent_is_ready_once_connected_and_pings_only_while_connected(
-        tmp_path: Path, tiny_llama: Path, amqtt_broker: AmqttBroker,
+        tmp_path: Path, tiny_llama_gguf: Path, amqtt_broker: AmqttBroker,
         notify_socket: tuple[socket.socket, str]) -> None:
+    # llama.cpp stages: their coordinator starts without importing torch.
     plant_path = tmp_path / "plant.yaml"
-    write_plant(plant_for(tiny_llama, amqtt_broker, [(0, 3), (3, 6)]), plant_path)
+    write_plant(plant_for(tiny_llama_gguf, amqtt_broker, [(0, 3), (3, 6)], weights="gguf"),
+                plant_path)
     sock, address = notify_socket
     log = tmp_path / "coordinator.log"
     with notifying(["coordinator", str(plant_path)], address, log) as agent:
