@@ -64,7 +64,9 @@ MODES = [
     _BF16]
 # A first, a middle and a last stage: each kind of stage built, chained and batched.
 SMOLLM2_SPLIT = SMOLLM2_SPLITS["3-stages"]
-TINY_SPLITS_CHECKED = {"3-stages": TINY_SPLITS["3-stages-uneven"], "1-stage": TINY_SPLITS["1-stage"]}
+# The tiny Llama's: a first, a middle and a last stage, and the whole model as one.
+TINY_SPLITS_CHECKED = {"3-stages": TINY_SPLITS["3-stages-uneven"],
+                       "1-stage": TINY_SPLITS["1-stage"]}
 # SmolLM2's tokens a request: a token costs the whole model (0.2 s in onnxruntime fp32 on
 # the EPYC), and the reference decodes each request alone; a few show the split exact.
 SMOLLM2_TOKENS = 8
