@@ -5,12 +5,13 @@ Three layers of proof:
   gguf-py's own dequantization bit for bit (random blocks, every field exercised);
 - a tiny GGUF with all five kept types (and one that is not kept) imports with
   its matrices stored as blocks that read back, through the checkpoint reader
-  a stage uses, as exactly the fp32 values the plain import writes, and its
-  K-quant blocks run in an ONNX Runtime stage;
+  a stage uses, as exactly the fp32 values the plain import writes, its K-quant
+  blocks run in an ONNX Runtime stage, and through two stages over a real broker
+  they answer what the same engine and weights answer in one process;
 - the bundled SmolLM2 (Q4_1 matrices, Q8_0 embedding) imported that way gives
-  the torch engine bit-identical logits to the fp32 import, a 4-bit ONNX Runtime
-  stage holds the GGUF's own codes, and a 2-stage pipeline over a real broker
-  answers what the same engine and weights answer in one process.
+  the torch engine bit-identical logits to the fp32 import, and a 4-bit ONNX
+  Runtime stage holds the GGUF's own codes (SmolLM2's split through onnxruntime
+  is test_engines.py's).
 """
 
 from __future__ import annotations
