@@ -105,13 +105,29 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
       the victim waited out aiomqtt's 10 s CONNACK timeout). Retained messages
       now go only to a session that holds the filter, and for the others the
       walk returns without awaiting, so nothing can change under it.
+    - Retained messages for a new subscription are sent without holding up the
+      client's next packets. amqtt 0.12.1 awaited their QoS 1 PUBACKs before it read
+      the client's next SUBSCRIBE, and an edgebus client acknowledges a message only
+      once it has subscribed to everything (`BusClient.run`): each waited for the
+      other until amqtt's 5 s PUBACK timeout, so every plant on this broker started
+      5 s late (its coordinator subscribing to the stages' retained statuses).
     """
 
     async def _publish_retained_messages_for_subscription(
             self, subscription: tuple[str, int], session: Session) -> None:
         holders = self._subscriptions.get(subscription[0], ())
         if any(holder is session for holder, _ in holders):
-            await super()._publish_retained_messages_for_subscription(subscription, session)
+            # The PUBLISHes leave in task order, ahead of later broadcasts' (also tasks).
+            sending = asyncio.ensure_future(
+                super()._publish_retained_messages_for_subscription(subscription, session))
+            self._retained_sends.add(sending)
+            sending.add_done_callback(self._retained_sent)
+
+    def _retained_sent(self, sending: asyncio.Future[None]) -> None:
+        self._retained_sends.discard(sending)
+        if not sending.cancelled() and sending.exception() is not None:
+            # A client gone meanwhile: amqtt's own delivery to it would have failed alike.
+            logger.warning("a retained message was not delivered: %r", sending.exception())
 
     async def _authenticate(self, session: Session, listener: ListenerConfig) -> bool:
         admitted: bool = await super()._authenticate(session, listener)
@@ -186,6 +202,8 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._writers: set[asyncio.StreamWriter] = set()
+        # Retained deliveries in flight: held so that they are not collected half-sent.
+        self._retained_sends: set[asyncio.Future[None]] = set()
 
     def close_connections(self) -> None:
         """Drop every client connection, as a broker that stops does.

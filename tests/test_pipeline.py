@@ -23,7 +23,6 @@ from tiny_models import build_tiny, historyless_tokens
 from edgebus.ask import ask
 from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
 from node_agent.coordinator.token_loop import prefill_chunks
-from plant_config import Plant
 
 # A maintenance log long enough to be a >= 300-token prompt.
 LONG_PROMPT = " ".join(
@@ -90,15 +89,22 @@ async def test_concurrent_requests_are_batched_and_stay_exact(
     still gets exactly the tokens generate() gives it alone."""
     topics = ["a PLC", "a servo drive", "an HMI", "a safety relay", "a VFD", "a SCADA system",
               "an encoder", "a proximity sensor"]
-    # Each request outlasts the others' arrivals (0.35 s) several times over, however fast
-    # the box: a token takes four MQTT hops, a few ms at the least.
-    reqs = [GenerateRequest(id=f"q{i}", max_tokens=3 * LONG_DECODE, ignore_eos=True,
+    reqs = [GenerateRequest(id=f"q{i}", max_tokens=LONG_DECODE, ignore_eos=True, stream=True,
                             messages=[ChatMessage(role="user", content=f"What is {t}?")])
             for i, t in enumerate(topics)]
     plant = plant_for(tiny_llama, mosquitto_broker, TINY_SPLITS["3-stages-uneven"])
+    decoding = [asyncio.Event() for _ in reqs]
+
+    async def in_turn(i: int, request: GenerateRequest) -> GenerateResponse:
+        # Each arrives once the one before it streams: while every earlier one decodes,
+        # however fast or slow the box (a few steps apart, against LONG_DECODE's tokens).
+        if i:
+            await decoding[i - 1].wait()
+        return await ask(plant, request, client_id=f"gw-{request.id}",
+                         on_delta=lambda delta: decoding[i].set())
+
     async with running(plant) as stages:
-        responses = await asyncio.gather(*(_ask_later(plant, r, delay=0.05 * i)
-                                           for i, r in enumerate(reqs)))
+        responses = await asyncio.gather(*(in_turn(i, r) for i, r in enumerate(reqs)))
     for request, response in zip(reqs, responses, strict=True):
         assert response.tokens == reference_tokens(tiny_llama, request), request.id
     for stage in stages:  # more rows than forward passes: rows were batched
@@ -135,11 +141,6 @@ async def test_a_prompt_arriving_mid_decode_shares_passes_and_stays_exact(
         assert response.tokens == reference_tokens(tiny_llama, request), request.id
     assert all(stage.metrics["mixed_steps"] > 0 for stage in stages), \
         [stage.metrics for stage in stages]
-
-
-async def _ask_later(plant: Plant, request: GenerateRequest, delay: float) -> GenerateResponse:
-    await asyncio.sleep(delay)
-    return await ask(plant, request, client_id=f"gw-{request.id}")
 
 
 async def test_chunked_prefill_stays_exact(tiny_llama: Path, amqtt_broker: BrokerHandle) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -110,8 +111,10 @@ print(json.dumps({"grown": rss() - base, "params": stage.param_bytes}))
 """
 
 
+@functools.cache
 def _middle_stage_memory(model_dir: Path, weights: str) -> dict[str, int]:
-    """How much a fresh process grows loading layers [10, 20) in `weights` mode."""
+    """How much a fresh process grows loading layers [10, 20) in `weights` mode; measured
+    once a run (a process each, 5 s apiece), as both memory tests read the fp32 figure."""
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(model_dir), weights], check=True,
                          capture_output=True, text=True, timeout=120).stdout
     measured: dict[str, int] = json.loads(out.strip().splitlines()[-1])
