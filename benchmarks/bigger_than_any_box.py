@@ -552,7 +552,8 @@ def _prompts(results: dict[str, Any]) -> str:
             f"speed. distributed-llama ran on {dl.get('nodes', '-')} even boxes with the plant's "
             "total CPU quota and memory"
             + (f"; its root's box had {root} MiB, because at the even share it {outcome}: the "
-               "root alone holds the F32 token embedding (2 GiB for Llama-3-8B)" if root else "")
+               "root alone holds the token embedding in F32 (2 GiB for Llama-3-8B, 1.2 GiB for "
+               "Qwen3-30B-A3B)" if root else "")
             + ". The plant's `predicted` column is the rehearsal's cost model "
             "(docs/rehearse.md, \"What the prediction counts\")"
             + (f", profiled {results['profile_note']}" if results.get("profile_note") else "")
