@@ -319,6 +319,10 @@ def test_drafts_are_held_to_llama_cpp_and_to_the_plant_without_them(
             "n/a |") in section
 
 
+# The speculation phase's plant's status period (the plant file's default: 2 s).
+STATUS_HEARTBEAT_S = 0.25
+
+
 @pytest.mark.slow
 def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
         smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,9 +334,12 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
 
     def plant(url: str) -> Plant:
         made = make_plant(smollm2_dir, stages=2, broker=url, plant_id="spec", weights="gguf")
-        # One thread a stage: its two stages share this box's two cores.
+        # One thread a stage: its two stages share this box's two cores. The phase reads
+        # the drafts counted from the coordinator's status, refreshed every heartbeat: a
+        # short one, so that each of its reads waits a fraction of a second, not up to two.
         return made.model_copy(update={"stages": [
             s.model_copy(update={"kv_budget_mb": 32, "threads": 1}) for s in made.stages],
+            "liveness": made.liveness.model_copy(update={"heartbeat_s": STATUS_HEARTBEAT_S}),
             "coordinator": made.coordinator.model_copy(update={
                 "max_prompt_tokens": 256, "max_tokens_limit": 16})})
 
