@@ -330,6 +330,9 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
     (its tools take half an hour to build), and it says so."""
     monkeypatch.setattr(speculation, "TURNS", 1)
     monkeypatch.setattr(speculation, "TOKENS", 12)
+    # Two requests of each workload: the first quoting ones have drafts taken.
+    workloads = {name: texts[:2] for name, texts in speculation.WORKLOADS.items()}
+    monkeypatch.setattr(speculation, "WORKLOADS", workloads)
     notes: list[str] = []
 
     def plant(url: str) -> Plant:
@@ -350,7 +353,7 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
     assert [run.workload for run in runs] == ["quoting", "free"]
     quoting = runs[0]
     assert quoting.off.tok_s > 0 and quoting.on.tok_s > 0
-    assert quoting.tokens == 12 * len(speculation.QUOTING)
+    assert quoting.tokens == 12 * len(workloads["quoting"])
     assert quoting.proposed > 0 and 0 < quoting.accepted <= quoting.proposed
     assert quoting.llama_cpp is None and any("not measured" in n for n in notes)
 
