@@ -25,7 +25,6 @@ from harness.results import (
     WEIGHT_MODES,
     BenchSettings,
 )
-from harness.runner import run_bench
 from plant_config.schema import WeightMode
 
 
@@ -77,7 +76,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     try:
-        run_bench(settings(parser().parse_args()))
+        checked = settings(parser().parse_args())
+        # Imported once the command line is checked: the runner loads torch and
+        # transformers (~9 s on 2 cores), and a mistyped option is refused at once.
+        from harness.runner import run_bench
+        run_bench(checked)
     except EdgebusError as exc:
         sys.exit(f"{BENCH_SCRIPT}: error: {exc}")
 

@@ -319,6 +319,10 @@ def test_drafts_are_held_to_llama_cpp_and_to_the_plant_without_them(
             "n/a |") in section
 
 
+# The speculation phase's plant's status period (the plant file's default: 2 s).
+STATUS_HEARTBEAT_S = 0.25
+
+
 @pytest.mark.slow
 def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
         smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,13 +330,19 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
     (its tools take half an hour to build), and it says so."""
     monkeypatch.setattr(speculation, "TURNS", 1)
     monkeypatch.setattr(speculation, "TOKENS", 12)
+    # Two requests of each workload: the first quoting ones have drafts taken.
+    workloads = {name: texts[:2] for name, texts in speculation.WORKLOADS.items()}
+    monkeypatch.setattr(speculation, "WORKLOADS", workloads)
     notes: list[str] = []
 
     def plant(url: str) -> Plant:
         made = make_plant(smollm2_dir, stages=2, broker=url, plant_id="spec", weights="gguf")
-        # One thread a stage: its two stages share this box's two cores.
+        # One thread a stage: its two stages share this box's two cores. The phase reads
+        # the drafts counted from the coordinator's status, refreshed every heartbeat: a
+        # short one, so that each of its reads waits a fraction of a second, not up to two.
         return made.model_copy(update={"stages": [
             s.model_copy(update={"kv_budget_mb": 32, "threads": 1}) for s in made.stages],
+            "liveness": made.liveness.model_copy(update={"heartbeat_s": STATUS_HEARTBEAT_S}),
             "coordinator": made.coordinator.model_copy(update={
                 "max_prompt_tokens": 256, "max_tokens_limit": 16})})
 
@@ -343,7 +353,7 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
     assert [run.workload for run in runs] == ["quoting", "free"]
     quoting = runs[0]
     assert quoting.off.tok_s > 0 and quoting.on.tok_s > 0
-    assert quoting.tokens == 12 * len(speculation.QUOTING)
+    assert quoting.tokens == 12 * len(workloads["quoting"])
     assert quoting.proposed > 0 and 0 < quoting.accepted <= quoting.proposed
     assert quoting.llama_cpp is None and any("not measured" in n for n in notes)
 

@@ -42,9 +42,9 @@ from edgebus.core.messages import (
     parse_request,
 )
 from edgebus.core.statuses import StatusReader
+from node_agent import stage as stage_module
 from node_agent.coordinator import intake
 from node_agent.kv_cache import kv_bytes_per_token
-from node_agent.stage import SWEEP_INTERVAL_S
 from node_agent.text import prompt_ids as tokenize
 from plant_config.tasks import EXAMPLE_TASKS, apply_task
 
@@ -357,10 +357,17 @@ async def test_kv_budgets_refuse_with_a_reason(tiny_llama: Path,
     assert "KV budget of node stage-0 is full" in seen["stage"]
 
 
-async def test_caches_of_abandoned_requests_are_evicted(tiny_llama: Path,
-                                                        mosquitto_broker: BrokerHandle) -> None:
+# How often the stages of the eviction test sweep (the product's 5 s: "once in a while"): the
+# test waits a sweep out, and a cache is abandoned after the coordinator's 1 s anyway.
+TEST_SWEEP_INTERVAL_S = 1.0
+
+
+async def test_caches_of_abandoned_requests_are_evicted(
+        tiny_llama: Path, mosquitto_broker: BrokerHandle,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # A coordinator that gives up on a step after 1 s: a cache idle longer is abandoned.
     plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)], request_timeout_s=1.0)
+    monkeypatch.setattr(stage_module, "SWEEP_INTERVAL_S", TEST_SWEEP_INTERVAL_S)
     root = plant.topic_root
 
     def prefill(request: int) -> bytes:  # well formed, from a coordinator that then vanished
@@ -373,7 +380,9 @@ async def test_caches_of_abandoned_requests_are_evicted(tiny_llama: Path,
         async with asyncio.timeout(WAIT_S):
             while not all(55 in stage.caches for stage in stages):
                 await asyncio.sleep(0.05)
-        await asyncio.sleep(SWEEP_INTERVAL_S + 0.5)
+        # Past a sweep's interval and the abandon time: the next work sweeps 55 out.
+        await asyncio.sleep(max(TEST_SWEEP_INTERVAL_S, plant.coordinator.request_timeout_s)
+                            + 0.5)
         await client.publish(f"{root}/act/stage-0", prefill(56), qos=1)  # work wakes the sweep
         async with asyncio.timeout(WAIT_S):
             while not all(56 in stage.caches for stage in stages):
