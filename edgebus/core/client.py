@@ -158,6 +158,8 @@ class BusClient:
     _holding: set[Ack] = field(default_factory=set, init=False)  # taken, not yet acknowledged
     _warned: float = field(default=-UNACKED_WARN_EVERY_S, init=False)  # monotonic
     _connected: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    # Set when the current connection ends: a PUBACK awaited on it will never come.
+    _lost: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _sending: set[asyncio.Task[None]] = field(default_factory=set, init=False)  # send()s waiting
 
     @property
@@ -248,6 +250,7 @@ class BusClient:
                         await self._dispatch(client, handler)
                     finally:
                         self._connected.clear()
+                        self._lost.set()
                         self._client = None
                         # Void with their connection: the broker delivers them again.
                         self._holding.clear()
@@ -369,6 +372,7 @@ class BusClient:
         if self.presence is not None:
             await client.publish(self.presence.topic, self.presence.online(), qos=1, retain=True)
         self._client = client
+        self._lost = asyncio.Event()
         self._connected.set()
         log.info("connected to %s:%d as %s", self.endpoint.host, self.endpoint.port,
                  self.client_id)
@@ -392,14 +396,33 @@ class BusClient:
             if client is None:
                 continue
             try:
-                await client.publish(topic, payload, qos=qos, retain=retain,
-                                     properties=properties if self.mqtt5 else None)
-                return
+                if await self._acked(client.publish(topic, payload, qos=qos, retain=retain,
+                                                    properties=properties if self.mqtt5 else None)):
+                    return
+                log.warning("connection lost before the broker acknowledged a publish to %s; "
+                            "sending it again once reconnected", topic)
             except aiomqtt.MqttError as exc:
                 log.warning("publish to %s failed (%s); waiting for reconnect", topic, exc)
                 await asyncio.sleep(RECONNECT_INITIAL_S)
         raise BusError(f"could not publish to {topic}: no broker connection for "
                        f"{PUBLISH_WAIT_S:.0f} s")
+
+    async def _acked(self, publishing: Coroutine[Any, Any, None]) -> bool:
+        """Await `publishing`; False as soon as its connection is lost. Each connection has
+        a paho client of its own, so a PUBACK (or, at QoS 0, the write) awaited on a lost
+        one never comes: aiomqtt would wait out its 10 s timeout after every broker restart."""
+        lost = self._lost
+        sent = asyncio.ensure_future(publishing)
+        losing = asyncio.ensure_future(lost.wait())
+        await asyncio.wait([sent, losing], return_when=asyncio.FIRST_COMPLETED)
+        losing.cancel()
+        if sent.done():
+            sent.result()
+            return True
+        sent.cancel()
+        # Its outcome no longer matters; retrieved so that asyncio does not report it.
+        sent.add_done_callback(lambda task: task.cancelled() or task.exception())
+        return False
 
     def send(self, topic: str, payload: bytes | str, *, qos: int = 1,
              properties: Properties | None = None) -> None:
@@ -459,7 +482,9 @@ class BusClient:
         if self.presence is None or client is None:
             return
         try:
-            await client.publish(self.presence.topic, self.presence.online(), qos=0, retain=True)
+            # Not held up by a connection that is gone: the next heartbeat goes on the new one.
+            await self._acked(client.publish(self.presence.topic, self.presence.online(), qos=0,
+                                             retain=True))
         except aiomqtt.MqttError as exc:
             log.debug("status refresh skipped (%s)", exc)
 
