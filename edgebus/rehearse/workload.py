@@ -21,6 +21,7 @@ from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
 from edgebus.core.statuses import StatusReader
 from edgebus.rehearse.rehearsal import Rehearsal
+from node_agent.cancel import cancel_all
 from plant_config import Plant
 
 log = logging.getLogger(__name__)
@@ -126,9 +127,7 @@ class Client:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
 
     async def send(self, batch: list[GenerateRequest]) -> None:
         for request in batch:
@@ -263,7 +262,9 @@ async def measure(rehearsal: Rehearsal, client: Client, workload: Workload,
                  if r.error is None and len(r.tokens) > 1 and r.id in observer.first_delta)
     return Measurement(
         requests=len(batch), tokens=sum(len(r.tokens) for r in responses),
-        prompt_tokens=round(statistics.fmean(r.usage.prompt_tokens for r in responses)),
+        # A failed request reports no usage: its 0 is not a prompt's length.
+        prompt_tokens=round(statistics.fmean(
+            [r.usage.prompt_tokens for r in responses if r.error is None] or [0])),
         wall_s=max(observer.done[r.id] for r in batch) - sent,
         ttft_s=[observer.first_delta[r.id] - sent for r in batch if r.id in observer.first_delta],
         decode_tok_s=decode,
