@@ -245,7 +245,7 @@ class Box:
         return Memory(
             weights=weights, kv=reserved,
             buffers=(shape.context_bytes(context, vocabulary=vocabulary)
-                     + (shape.vocabulary_bytes() if vocabulary else 0)),
+                     + (shape.empty_vocabulary_bytes() if vocabulary else 0)),
             process=costs.baseline_bytes, services=services_bytes,
             headroom=HEADROOM_BYTES,
             unheld_share=0 if reserved else share)

@@ -10,8 +10,8 @@ A `weights: gguf` node holds, on its box:
   reserves (and zeroes) the whole context at load;
 - llama.cpp's buffers (`LlamaCppShape.context_bytes`): the compute graph's
   scratch, the logits of a batch;
-- its vocabulary, VOCAB_BYTES_PER_TOKEN a token on the first and the last
-  stage: llama.cpp's tokenizer tables, on the heap;
+- its vocabulary of empty tokens, EMPTY_TOKEN_BYTES a token on the first and
+  the last stage (no stage file keeps the tokenizer: stage_gguf.py);
 - the agent process, IDLE_AGENT_BYTES: Python, numpy, paho, libllama, measured;
 - the broker and the coordinator where they share its box (MOSQUITTO_BYTES or
   EMBEDDED_BROKER_BYTES, COORDINATOR_BYTES);
@@ -52,11 +52,15 @@ _FLOAT = 4
 # logs them: 26.3 MiB left) and 51.0 MiB of file pages (RssFile; 21.2 MiB of its stage
 # file: 29.8 MiB of libraries). 56 MiB, and room for what its heap grows by under load.
 IDLE_AGENT_BYTES = 64 * MIB
-# llama.cpp's tokenizer tables, per vocabulary entry, on the stages that keep the
-# tokenizer (stage_gguf.py: the first and the last). In the same run the first stage's
-# RssAnon was 24.4 MiB above the middle one's beyond its logits buffer, the last stage's
-# 22.0 MiB, for SmolLM2's 49,152 tokens (and 48,900 merges): 470-520 bytes a token.
+# llama.cpp's tokenizer tables, per vocabulary entry, in the coordinator (the one agent that
+# tokenizes). In the run above a stage that kept the tokenizer had 22.0-24.4 MiB more
+# RssAnon for SmolLM2's 49,152 tokens (and 48,900 merges): 470-520 bytes a token.
 VOCAB_BYTES_PER_TOKEN = 576
+# What a stage's vocabulary of empty tokens (stage_gguf.py: `tokenizer.ggml.model = none`)
+# costs llama.cpp a token: its token_data entry, an empty std::string, a score and
+# attributes (40 bytes on 64-bit). Measured on Llama-3-8B's first stage, 2026-12-03: 33 MiB
+# less RssAnon than the same stage keeping its 128,256-token tokenizer.
+EMPTY_TOKEN_BYTES = 40
 # The coordinator of a llama.cpp plant (llama.cpp's tokenizer, no torch): 84.8 MiB of
 # RSS idle and 87.2 MiB after 4 requests with SmolLM2 in the same run, ~27 MiB of which
 # its vocabulary (VOCAB_BYTES_PER_TOKEN): this plus the model's vocabulary.
@@ -183,4 +187,9 @@ class LlamaCppShape:
         return compute + output
 
     def vocabulary_bytes(self) -> int:
+        """The tokenizer's tables (the coordinator's)."""
         return VOCAB_BYTES_PER_TOKEN * self.vocab
+
+    def empty_vocabulary_bytes(self) -> int:
+        """A first or a last stage's vocabulary of empty tokens."""
+        return EMPTY_TOKEN_BYTES * self.vocab

@@ -294,6 +294,14 @@ def test_a_stage_file_holds_its_layers_only(smollm2_gguf: Path) -> None:
         assert bytes(kept.data) == bytes(shipped.data)
     assert middle.stat().st_size < 0.4 * source.stat().st_size
     assert stage_gguf.stage_file(source, 0, 30, library_version=version) == source
+    # The ends keep every token's row, but no tokenizer either: the coordinator tokenizes.
+    vocab = whole["token_embd.weight"].shape[-1]
+    for first, end in ((0, 10), (20, 30)):
+        fields = gguf.GGUFReader(str(stage_gguf.stage_file(
+            source, first, end, library_version=version))).fields
+        assert fields["tokenizer.ggml.model"].contents() == "none"
+        assert "tokenizer.ggml.tokens" not in fields and "tokenizer.ggml.merges" not in fields
+        assert fields["llama.vocab_size"].contents() == vocab
 
 
 def test_another_checkpoint_of_the_same_shape_gets_stage_files_of_its_own(

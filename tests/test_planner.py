@@ -502,7 +502,7 @@ def test_a_llamacpp_plan_counts_what_the_box_holds(tmp_path: Path) -> None:
     assert memory.headroom == HEADROOM_BYTES and memory.process == IDLE_AGENT_BYTES
     assert memory.buffers == (shape.context_bytes(ContextShape(160 * MIB, 1280, 128),
                                                   vocabulary=True)
-                              + shape.vocabulary_bytes())
+                              + shape.empty_vocabulary_bytes())
     # The split the issue ran (9/9/14) put the Jetson over its 2 GiB once all of that counts.
     issue_split = evaluate(costs, stages, [(0, 9), (9, 18), (18, 32)])
     assert not fits(issue_split)

@@ -6,18 +6,25 @@ set to end - first. What else a stage keeps depends on where it sits:
 
 | stage  | keeps |
 | ---    | ---   |
-| first  | the token embedding and the tokenizer; an LM head stand-in of zeros |
-| middle | no tokenizer, and the embedding and LM head cut to VOCAB_KEEP rows |
-| last   | the final norm, the LM head and the tokenizer; an embedding stand-in of zeros |
+| first  | the token embedding; an LM head stand-in of zeros |
+| middle | the embedding and LM head cut to VOCAB_KEEP rows |
+| last   | the final norm and the LM head; an embedding stand-in of zeros |
 | whole  | the model's own file, not a copy |
 
-llama.cpp insists on a token embedding and a vocabulary in every model, so
-a middle stage keeps VOCAB_KEEP rows of each: a few KiB instead of the
-vocabulary's tens of MiB, and no logits buffer worth the name. A first or a
-last stage keeps the whole vocabulary (token ids in, logits out), so the
-matrix it never uses is a stand-in of zeros in the smallest type llama.cpp
-loads (plant_config/stage_memory.py, STANDIN_TYPES): without it, llama.cpp
-loads a first stage's embedding a second time as its LM head.
+No stage file keeps the tokenizer: the coordinator tokenizes, from the model's
+own file, and a stage sees token ids and logits only. A stage file says
+`tokenizer.ggml.model = none` with `{arch}.vocab_size`, from which llama.cpp
+makes that many empty tokens (40 bytes each) instead of its tokenizer tables:
+33 MiB less on each end of Llama-3-8B (128,256 tokens, 280,147 merges), whose
+first and last stage were up to 66 MiB over issue 33's memory target.
+
+llama.cpp insists on a token embedding and an LM head of the vocabulary's size
+in every model, so a middle stage keeps VOCAB_KEEP rows of each (and says
+vocab_size = VOCAB_KEEP): a few KiB, and no logits buffer worth the name. A
+first or a last stage keeps the whole vocabulary's rows (token ids in, logits
+out), so the matrix it never uses is a stand-in of zeros in the smallest type
+llama.cpp loads (plant_config/stage_memory.py, STANDIN_TYPES): without it,
+llama.cpp loads a first stage's embedding a second time as its LM head.
 
 Stage files are cut once and cached in `$EDGEBUS_HOME/stages/` (CACHE_DIR),
 named by the source file's fingerprint (a digest of its header and of pieces
@@ -65,7 +72,9 @@ CACHE_DIR = "stages"  # under $EDGEBUS_HOME
 # tensors and a vocabulary, and 32 rows are enough for it to load.
 VOCAB_KEEP = 32
 # Bump when the files cut here change meaning, so cached ones are cut again.
-CUT_FORMAT = 2  # 2: stand-ins of zeros for the matrices a first or last stage never uses
+# 2: stand-ins of zeros for the matrices a first or last stage never uses; 3: no stage keeps
+# the tokenizer.
+CUT_FORMAT = 3
 # Metadata key recording which layers of the source a stage file holds.
 RANGE_KEY = "edgebus.layer_range"
 # What names a source GGUF's stage files (`fingerprint`): its size and mtime, its first
@@ -152,7 +161,7 @@ def _stage_value(value: Any, name: str, arch: str, first: int, end: int, layers:
 def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
          chunk: int = COPY_CHUNK, what: str = "") -> None:
     """Write the stage file: the source's header with what the stage changes (its layer
-    count, per-layer values, tensor infos; a middle stage's vocabulary), every other key's
+    count, per-layer values, tensor infos; the vocabulary), every other key's
     bytes as they are, then each kept tensor's bytes copied from `source` `chunk` bytes at a
     time (copy_file_range, else through one buffer): memory holds the header and one chunk,
     however large the model."""
@@ -164,13 +173,14 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
     arch = str(fields[gguf.Keys.General.ARCHITECTURE].value)
     middle = role == "middle"
     layers = int(fields[f"{arch}.block_count"].value)
+    vocab = next(t.dims[-1] for t in src.tensors if t.name == "token_embd.weight")
     header = _Encoder(src.order)
     with source.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         entries: list[bytes] = []
         for entry in src.entries:
             name = entry.key
-            if middle and (name.startswith("tokenizer.") or name == f"{arch}.vocab_size"):
-                continue
+            if name.startswith("tokenizer.") or name == f"{arch}.vocab_size":
+                continue  # a vocabulary of empty tokens instead, below
             value = _stage_value(entry.value, name, arch, first, end, layers)
             if value == entry.value:
                 entries.append(data[entry.start:entry.end])  # as shipped, not re-encoded
@@ -179,10 +189,9 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
                                            entry.start + 8 + len(name.encode()) + 4)[0]
                         if entry.kind == gguf.GGUFValueType.ARRAY else None)
                 entries.append(header.entry(name, entry.kind, value, item))
-    if middle:
-        entries.append(header.entry("tokenizer.ggml.model", gguf.GGUFValueType.STRING, "none"))
-        entries.append(header.entry(f"{arch}.vocab_size", gguf.GGUFValueType.UINT32,
-                                    VOCAB_KEEP))
+    entries.append(header.entry("tokenizer.ggml.model", gguf.GGUFValueType.STRING, "none"))
+    entries.append(header.entry(f"{arch}.vocab_size", gguf.GGUFValueType.UINT32,
+                                VOCAB_KEEP if middle else vocab))
     q_lora = gguf.Keys.Attention.Q_LORA_RANK.format(arch=arch)
     if arch in _LITE_BY_LAYER_COUNT and q_lora not in fields:
         # llama.cpp takes a deepseek2 file without q_lora_rank for a "lite" model (a full-rank
