@@ -11,7 +11,8 @@ call's return; the embedding's from the call to its mark, with the call's own
 work before the graph runs (splitting the batch, building the graph). Marking
 computes the graph in pieces and calls Python for every node (~15 a layer),
 so the marked parts are scaled to add up to the same calls run by a second
-context without the callback, timed in the same rounds.
+context without the callback, loaded once the first is closed (the profile
+holds the model once, however large).
 
 Calls, as the torch profile times them: a PREFILL_POSITIONS-position prompt,
 DECODE_STEPS one-position steps, and DECODE_STEPS steps of BATCH_ROWS requests
@@ -138,26 +139,29 @@ def measure(path: Path, *, rounds: int = ROUNDS) -> Measured:
                          batch_positions=PREFILL_POSITIONS)
     shape = ContextShape(kv_budget_bytes=BATCH_ROWS * probe.sequence_positions * per_position,
                          positions=positions, batch_positions=PREFILL_POSITIONS)
-    timed = LlamaCppEngine(path, 0, layers, shape=shape, threads=PROFILE_THREADS,
-                           observer=marker.callback)
-    plain = LlamaCppEngine(path, 0, layers, shape=shape, threads=PROFILE_THREADS)
     kinds = ("prefill", "decode", "batch")
     parts: dict[str, list[list[float]]] = {kind: [] for kind in kinds}  # per call, per part
     totals: dict[str, list[float]] = {kind: [] for kind in kinds}  # per call, unmarked
     prompt = np.random.default_rng(0).integers(0, min(_PROMPT_IDS, config.vocab_size),
                                                (1, PREFILL_POSITIONS))
-    try:
-        for round_index in range(WARMUP_ROUNDS + rounds):
-            keep = round_index >= WARMUP_ROUNDS
-            for engine in (timed, plain):
-                for kind, ms in _round(engine, prompt, marker if engine is timed else None):
-                    if keep and engine is timed:
+    # One context at a time, so the profile holds the model once: a llama.cpp engine reads
+    # its weights into memory of its own, and two would need twice the model (2 x 17 GB
+    # for Qwen3-30B-A3B, which no planning machine of issue 33 had). The thread-CPU clock
+    # makes rounds run apart comparable.
+    for marked in (True, False):
+        engine = LlamaCppEngine(path, 0, layers, shape=shape, threads=PROFILE_THREADS,
+                                observer=marker.callback if marked else None)
+        try:
+            for round_index in range(WARMUP_ROUNDS + rounds):
+                for kind, ms in _round(engine, prompt, marker if marked else None):
+                    if round_index < WARMUP_ROUNDS:
+                        continue
+                    if marked:
                         parts[kind].append(ms)
-                    elif keep:
+                    else:
                         totals[kind].append(sum(ms))
-    finally:
-        timed.close()
-        plain.close()
+        finally:
+            engine.close()
     # Per part, its least disturbed call; then scaled to the unmarked calls' least total.
     scaled = []
     for kind in kinds:

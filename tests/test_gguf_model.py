@@ -247,12 +247,27 @@ def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
     # test's own, in its own home).
     monkeypatch.setattr(gguf_profile, "WARMUP_ROUNDS", 0)
     monkeypatch.setattr(gguf_profile.measure, "__kwdefaults__", {"rounds": 1})
+    # The profile holds the model once: a model bigger than half the planning machine
+    # (Qwen3-30B-A3B, 17 GB) is profiled too.
+    open_engines: list[int] = []
+
+    class Counted(gguf_profile.LlamaCppEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            open_engines.append(open_engines[-1] + 1 if open_engines else 1)
+
+        def close(self) -> None:
+            super().close()
+            open_engines.append(open_engines[-1] - 1)
+
+    monkeypatch.setattr(gguf_profile, "LlamaCppEngine", Counted)
     plant = make_plant(bundled, stages=3, weights="gguf")
     boxes = [{"name": s.node, "memory_mb": 4096, "speed": 1.0} for s in plant.stages]
     path = tmp_path / "plant.yaml"
     write_plant(plant.model_copy(update={"boxes": [BoxSpec(**b) for b in boxes]}), path)
     main(["plan", str(path)])
     assert "profile in llama.cpp, measured now" in capsys.readouterr().out
+    assert open_engines == [1, 0, 1, 0]  # a marked context, then a plain one
     costs, measured, fresh = model_costs(bundled)
     assert not fresh  # the plan's, from $EDGEBUS_HOME
     assert (tmp_path / "home" / "profiles").is_dir()
