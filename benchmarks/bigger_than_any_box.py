@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -737,6 +738,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             say(f"== {name}")
             results[name] = steps[name](workdir / name)
             args.out.write_text(json.dumps(results, indent=1) + "\n")  # partial results survive
+            # A step's stage files are a copy of the model (17 GB for Qwen3-30B-A3B), cut
+            # again by every run as part of the first start: gone before the next step needs
+            # the disk (distributed-llama's model is 18 GB more).
+            shutil.rmtree(workdir / name / "home" / "stages", ignore_errors=True)
     results["machine"]["load_after"] = os.getloadavg()[0]
     answers = results.get("plant", {}).get("answers")
     if answers:
