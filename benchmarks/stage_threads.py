@@ -11,7 +11,8 @@ libgomp's own spin), then each plant, single stream. Last, 8 concurrent per plan
 A variant is THREADS[:GOMP_SPINCOUNT]; without a spin count, the launcher's own
 (edgebus.launcher.STAGE_SPINCOUNT). `--stages` splits the model (3 by default). Decode
 tok/s: tokens after the first over the time between them. CPU ms a token: the stages'
-user + system time over the tokens they made.
+user + system time over the tokens they made; the same of the coordinator and of the
+broker beside it, which is what a token costs beyond the layers.
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ def _start(variant: str, stages: int, model_dir: Path, work: Path, stack: contex
     return processes
 
 
+def _roles(processes: PlantProcesses) -> dict[str, list[int]]:
+    """The plant's process ids by role: its stages, its coordinator, its broker."""
+    roles: dict[str, list[int]] = {"stage": [], "coordinator": [], "broker": []}
+    for agent, pid in processes.pids.items():
+        role = next((r for r in roles if agent.startswith(r)), None)
+        if role is not None:
+            roles[role].append(pid)
+    return roles
+
+
 async def _measure(plants: dict[str, PlantProcesses], ids: list[int], rounds: int,
                    loaded_rounds: int) -> dict[str, list[dict[str, float]]]:
     results: dict[str, list[dict[str, float]]] = {}
@@ -96,15 +107,16 @@ async def _measure(plants: dict[str, PlantProcesses], ids: list[int], rounds: in
                     assert whole is not None, "llama-cpp-python did not run"
                     row["decode_tok_s"] = 1 / whole.itl_p50_s
                 else:
-                    pids = [pid for agent, pid in plants[name].pids.items()
-                            if agent.startswith("stage")]
-                    before = _cpu_s(pids)
+                    roles = _roles(plants[name])
+                    before = {role: _cpu_s(pids) for role, pids in roles.items()}
                     traces = [await gateways[name].generate(
                         chat_request(request_id("single"), TOKENS), TIMEOUT_S)
                         for _ in range(REQUESTS)]
                     row["decode_tok_s"] = _decode_tok_s(traces)
-                    row["stage_cpu_ms_a_token"] = ((_cpu_s(pids) - before) * 1e3
-                                                   / sum(t.tokens for t in traces))
+                    tokens = sum(t.tokens for t in traces)
+                    for role, pids in roles.items():
+                        row[f"{role}_cpu_ms_a_token"] = ((_cpu_s(pids) - before[role]) * 1e3
+                                                         / tokens)
                 results.setdefault(name, []).append(row)
                 print(turn, name, {k: round(v, 1) for k, v in row.items()}, flush=True)
         for turn in range(loaded_rounds):
