@@ -13,12 +13,16 @@ is left, with `unavailable`.
 One rehearsal serves the whole module (starting one costs ~15 CPU-seconds of
 torch imports and kernel tuning); each test leaves every link up and every
 agent it needs online, in the order written; the memory tests kill stage 1's
-nodes, so they come last.
+nodes, so they come last. The expected answers, `generate`'s, are computed once
+for each prompt and length, in a thread from the module's start on: the
+plant's waits leave the CPU idle, and a memory test's 320 tokens a prompt cost
+more than the test's own run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import secrets
 import shutil
 import signal
@@ -122,7 +126,8 @@ def model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     """The reference `generate` on one torch thread: beside four agents and other
-    engineers' tests on 2 cores, two threads took 30 s for what one did in 6."""
+    engineers' tests on 2 cores, two threads took 30 s for what one did in 6. Restored
+    at the module's end."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -139,6 +144,27 @@ def rehearsal(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                    progress=print) as running:
         running.start()
         yield running
+
+
+# Max tokens -> (prompt -> `generate`'s greedy tokens).
+References = dict[int, concurrent.futures.Future[dict[str, list[int]]]]
+
+
+@pytest.fixture(scope="module")
+def references(model: Path) -> Iterator[References]:
+    """`generate`'s answer to each prompt at each length the tests ask for, computed in a
+    thread from the module's start on, the first tests' length first."""
+    def compute(tokens: int) -> dict[str, list[int]]:
+        torch.set_num_threads(1)  # in this thread too; one_thread restores it at the end
+        return {prompt: reference_tokens(model, GenerateRequest(
+                    id="reference", prompt=prompt, max_tokens=tokens, ignore_eos=True))
+                for prompt in PROMPTS}
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        futures = {tokens: pool.submit(compute, tokens) for tokens in (TOKENS, OOM_TOKENS)}
+        yield futures
+        for future in futures.values():
+            future.cancel()
 
 
 def batch(prefix: str, tokens: int = TOKENS) -> list[GenerateRequest]:
@@ -161,15 +187,18 @@ async def generating(rehearsal: Rehearsal, prefix: str, offline: tuple[str, ...]
     # Requests that join a group later start later; half of them streaming is mid-generation.
     await seen.until(lambda: sum(r.id in seen.first_delta for r in requests) >= REQUESTS // 2,
                      ANSWER_S, "half the requests' first tokens")
-    assert not any(r.id in seen.responses for r in requests), "answered before the fault"
+    early = {r.id: seen.responses[r.id] for r in requests if r.id in seen.responses}
+    assert not early, f"answered before the fault: {early}"
     return client, requests
 
 
-def assert_exact(model: Path, client: Client, requests: list[GenerateRequest]) -> None:
+async def assert_exact(references: References, client: Client,
+                       requests: list[GenerateRequest]) -> None:
     for request in requests:
+        expected = await asyncio.wrap_future(references[request.max_tokens])
         response = client.observer.responses[request.id]
         assert response.error is None, (request.id, response.error)
-        assert response.tokens == reference_tokens(model, request), request.id
+        assert response.tokens == expected[request.prompt], request.id
 
 
 async def back_online(rehearsal: Rehearsal, client: Client) -> None:
@@ -178,12 +207,12 @@ async def back_online(rehearsal: Rehearsal, client: Client) -> None:
 
 
 async def test_a_stage_box_cut_off_fails_over_to_its_standby(
-        rehearsal: Rehearsal, model: Path) -> None:
+        rehearsal: Rehearsal, references: References) -> None:
     client, requests = await generating(rehearsal, "stage-")
     try:
         rehearsal.set_link(TAIL, up=False)
         await client.until_answered(requests, ANSWER_S)
-        assert_exact(model, client, requests)
+        await assert_exact(references, client, requests)
     finally:
         rehearsal.set_link(TAIL, up=True)
     await back_online(rehearsal, client)
@@ -191,7 +220,7 @@ async def test_a_stage_box_cut_off_fails_over_to_its_standby(
 
 
 async def test_the_broker_box_cut_off_past_the_liveness_timeout_loses_no_request(
-        rehearsal: Rehearsal, model: Path) -> None:
+        rehearsal: Rehearsal, references: References) -> None:
     client, requests = await generating(rehearsal, "broker-")
     rehearsal.set_link(STANDBY, up=False)
     try:
@@ -199,13 +228,13 @@ async def test_the_broker_box_cut_off_past_the_liveness_timeout_loses_no_request
     finally:
         rehearsal.set_link(STANDBY, up=True)
     await client.until_answered(requests, ANSWER_S)
-    assert_exact(model, client, requests)
+    await assert_exact(references, client, requests)
     await back_online(rehearsal, client)
     await client.__aexit__()
 
 
 async def test_the_coordinator_box_cut_off_answers_every_request_once_back(
-        rehearsal: Rehearsal, model: Path) -> None:
+        rehearsal: Rehearsal, references: References) -> None:
     client, requests = await generating(rehearsal, "coordinator-")
     cut = time.monotonic()
     open_ = [r for r in requests if r.id not in client.observer.responses]
@@ -215,7 +244,7 @@ async def test_the_coordinator_box_cut_off_answers_every_request_once_back(
     finally:
         rehearsal.set_link(HEAD, up=True)
     await client.until_answered(requests, ANSWER_S)
-    assert_exact(model, client, requests)
+    await assert_exact(references, client, requests)
     # Those open at the cut were answered after the cable was back: the cut did stall them.
     assert min(client.observer.done[r.id] for r in open_) > cut + CUT_S
     # Once each. The coordinator publishes its "offline" status after all its answers, on
@@ -259,14 +288,14 @@ def assert_oom_killed(rehearsal: Rehearsal, box: str, kills_before: int) -> None
 
 
 async def test_a_stage_killed_by_its_memory_limit_fails_over_to_its_standby(
-        rehearsal: Rehearsal, model: Path) -> None:
+        rehearsal: Rehearsal, references: References) -> None:
     client, requests = await generating(rehearsal, "oom-", tokens=OOM_TOKENS)
     coordinator = rehearsal.plant.coordinator.id
     failovers = client.observer.metric(coordinator, "failovers")
     kills = squeeze(rehearsal, TAIL)
     await client.until_answered(requests, ANSWER_S)
     assert_oom_killed(rehearsal, TAIL, kills)
-    assert_exact(model, client, requests)
+    await assert_exact(references, client, requests)
     await fresh_statuses(client, [coordinator], 10 * LIVENESS.heartbeat_s)
     assert client.observer.metric(coordinator, "failovers") > failovers, "nothing was replayed"
     await client.__aexit__()
