@@ -14,15 +14,16 @@ One rehearsal serves the whole module (starting one costs ~15 CPU-seconds of
 torch imports and kernel tuning); each test leaves every link up and every
 agent it needs online, in the order written; the memory tests kill stage 1's
 nodes, so they come last. The expected answers, `generate`'s, are computed once
-for each prompt and length, in a thread from the module's start on: the
-plant's waits leave the CPU idle, and a memory test's 320 tokens a prompt cost
-more than the test's own run.
+for each prompt and length, beside the plant from the module's start on: the
+plant's waits leave the CPU idle, and a memory test's answers cost `generate`
+as long as the test's own run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import multiprocessing
 import secrets
 import shutil
 import signal
@@ -84,15 +85,18 @@ KV_HEADS, HEAD_DIM = 4, 1024
 # room for a decode step's scratch.
 SQUEEZE_MB = 8
 # Tokens per request of a memory test. The limit is lowered while the first
-# requests stream their first tokens (at 13-18 prompt positions, under 64),
-# however fast the CPU: up to OOM_TOKENS every request still crosses 64, 128,
-# ..., 320, each growing its cache by 6 MiB on the squeezed stage, so its share
-# of the batch (4 of the 8 requests, or all 8 when it is the stage's only
-# node) adds at least 4 x 5 x 6 = 120 MiB after the squeeze, 15 times
-# SQUEEZE_MB, whatever the CPU's speed. With TOKENS, a request crosses 64 at
-# most once, and may have done so before the squeeze on a fast CPU: on a Xeon
-# the stage missed heartbeats (`unavailable` was answered) but lived on.
-OOM_TOKENS = 320
+# requests stream their first tokens (at 13-18 prompt positions, under 64):
+# up to OOM_TOKENS every request then crosses 64, 128 and 192 (13 + 180 > 192),
+# each growing its cache by 6 MiB on the squeezed stage, so its share of the
+# batch (4 of the 8 requests, or all 8 when it is the stage's only node) adds
+# 4 x 3 x 6 = 72 MiB after the squeeze, 9 times SQUEEZE_MB; still 6 times it on
+# a CPU so fast that every request had crossed 64 before the squeeze landed.
+# Here the stage died at its first crossing, near 64 positions; the tokens after
+# that are the standby's to generate, and `generate`'s to repeat (its cost grows
+# with their square), so no more of them than these margins need. With TOKENS,
+# a request crosses 64 at most once, and not at all from a short prompt: on a
+# Xeon the stage missed heartbeats (`unavailable` was answered) but lived on.
+OOM_TOKENS = 180
 # How long a stage over its limit may take to be killed: the kernel reclaims
 # before it kills. The test needs the death, so it waits for it, this long at most.
 OOM_DEATH_S = ANSWER_S
@@ -123,47 +127,41 @@ def model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The reference `generate` on one torch thread: beside four agents and other
-    engineers' tests on 2 cores, two threads took 30 s for what one did in 6. Restored
-    at the module's end."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def rehearsal(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rehearsal]:
     workdir = tmp_path_factory.mktemp("rehearse")
-    # Every core this machine has: the CPU quotas are not what these tests are about, and
-    # four agents importing torch on a fraction of a core each are slow to start.
     with Rehearsal(fault_plant(model), workdir,
                    Options(coordinator_box=HEAD, cpu_total=float(cores())),
                    progress=print) as running:
         running.start()
+        # No CPU quotas: they are not what these tests are about. Four agents importing
+        # torch on a fraction of a core each are slow to start, and a stage box left
+        # alone in its stage (after its peer's death) would idle half the machine.
+        for group in running.groups.values():
+            group.set_cpu(None)
         yield running
 
 
-# Max tokens -> (prompt -> `generate`'s greedy tokens).
-References = dict[int, concurrent.futures.Future[dict[str, list[int]]]]
+# Max tokens -> prompt -> `generate`'s greedy tokens.
+References = dict[int, dict[str, concurrent.futures.Future[list[int]]]]
 
 
 @pytest.fixture(scope="module")
 def references(model: Path) -> Iterator[References]:
-    """`generate`'s answer to each prompt at each length the tests ask for, computed in a
-    thread from the module's start on, the first tests' length first."""
-    def compute(tokens: int) -> dict[str, list[int]]:
-        torch.set_num_threads(1)  # in this thread too; one_thread restores it at the end
-        return {prompt: reference_tokens(model, GenerateRequest(
-                    id="reference", prompt=prompt, max_tokens=tokens, ignore_eos=True))
-                for prompt in PROMPTS}
-
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        futures = {tokens: pool.submit(compute, tokens) for tokens in (TOKENS, OOM_TOKENS)}
+    """`generate`'s answer to each prompt at each length the tests ask for, the first
+    tests' length first, computed from the module's start on in a process of its own (a
+    thread loading transformers beside the test's made the test's own imports fail), on
+    one torch thread: beside four agents on 2 cores, two took 30 s for what one did in 6."""
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        futures = {tokens: {prompt: pool.submit(reference_tokens, model, GenerateRequest(
+                                id="reference", prompt=prompt, max_tokens=tokens,
+                                ignore_eos=True))
+                            for prompt in PROMPTS}
+                   for tokens in (TOKENS, OOM_TOKENS)}
         yield futures
-        for future in futures.values():
+        for future in (f for by_prompt in futures.values() for f in by_prompt.values()):
             future.cancel()
 
 
@@ -195,10 +193,10 @@ async def generating(rehearsal: Rehearsal, prefix: str, offline: tuple[str, ...]
 async def assert_exact(references: References, client: Client,
                        requests: list[GenerateRequest]) -> None:
     for request in requests:
-        expected = await asyncio.wrap_future(references[request.max_tokens])
+        expected = await asyncio.wrap_future(references[request.max_tokens][request.prompt])
         response = client.observer.responses[request.id]
         assert response.error is None, (request.id, response.error)
-        assert response.tokens == expected[request.prompt], request.id
+        assert response.tokens == expected, request.id
 
 
 async def back_online(rehearsal: Rehearsal, client: Client) -> None:
