@@ -70,9 +70,6 @@ PROMPTS = ["The hydraulic press on line 3 reports a pressure drop. Likely causes
            "List three ways to reduce compressed-air leaks in a plant:",
            "Give two reasons a torque wrench reading may be wrong:"]
 ANSWER_S = 90.0
-# The head box runs stage 0 and the coordinator: at an equal share it was the
-# pipeline's bottleneck (a batch took 5.3 s, with twice the share 3.8 s).
-HEAD_SPEED = 2.0
 # What a box may use: far more than the tiny model needs, until a memory test lowers it.
 BOX_MB = 2048
 MIB = 1 << 20
@@ -106,7 +103,7 @@ def fault_plant(model: Path) -> Plant:
     return Plant(
         plant_id="rehearse", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
         broker=BrokerSettings(url=f"mqtt://{STANDBY}:1883"), model=model,
-        boxes=[BoxSpec(name=name, memory_mb=BOX_MB, speed=HEAD_SPEED if name == HEAD else 1.0)
+        boxes=[BoxSpec(name=name, memory_mb=BOX_MB)
                for name in (HEAD, TAIL, STANDBY)],
         stages=[StageSpec(node=HEAD, layers=(0, 3)), StageSpec(node=TAIL, layers=(3, 6)),
                 StageSpec(node=STANDBY, layers=(3, 6))],
