@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiomqtt
+import pytest
 from brokers import MosquittoBroker
 from pipeline import reference_tokens, stage_model, tokenizer
 from plant_gateway import Gateway, gateway, send
@@ -30,6 +31,7 @@ from edgebus.core import frames
 from edgebus.core.frames import Peek
 from edgebus.core.messages import GenerateRequest
 from node_agent.cancel import cancel_all
+from node_agent.coordinator import token_loop
 from node_agent.coordinator.agent import Coordinator
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Liveness, Plant, StageSpec
@@ -44,6 +46,11 @@ RELAYED = "relayed"
 LOST_STEP = 6
 # What the coordinator says of a step it found overdue (node_agent/coordinator/token_loop.py).
 OVERDUE = "taken as lost in transit"
+# The least time after which the coordinator takes a step for lost, in place of its 3 s
+# (token_loop.STALL_MIN_S): a tiny model's decode step takes milliseconds, so the floor
+# alone decides when the lost one is found, and the test waited it out. A step a loaded
+# box holds up longer is replayed too, which assert_replayed_once_for allows.
+STALL_MIN_S = 1.0
 
 Drop = Callable[[Peek], bool]
 
@@ -153,7 +160,9 @@ async def test_a_lost_prefill_frame_is_reported_by_the_next_stage_and_replayed(
 
 
 async def test_a_lost_decode_frame_is_found_overdue_and_replayed(
-        tiny_llama: Path, mosquitto_broker: MosquittoBroker) -> None:
+        tiny_llama: Path, mosquitto_broker: MosquittoBroker,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(token_loop, "STALL_MIN_S", STALL_MIN_S)
     request = GenerateRequest(id="overdue", prompt="Summarise the lockout-tagout procedure "
                               "for a conveyor motor:", max_tokens=16, ignore_eos=True)
     # A decode step from the sixth on goes missing: nothing follows it for a stage to

@@ -22,7 +22,7 @@ import optional
 from edgebus.rehearse import leftovers, netns
 from edgebus.rehearse.cgroups import CGROUP_ROOT, V1Tree
 from edgebus.rehearse.rehearsal import missing
-from plant_config import BrokerSettings, Plant, StageSpec, write_plant
+from plant_config import BrokerSettings, Liveness, Plant, StageSpec, write_plant
 from plant_config.broker_section import Security
 from plant_config.schema import BoxSpec
 
@@ -31,6 +31,10 @@ pytestmark = [optional.needs(MISSING, "a rehearsal"), optional.HOST_NETWORK]
 
 # Up to every agent online and one tiny answer, with torch imports on 2 busy cores.
 RUN_S = 300.0
+# The rehearsal's measurement waits for a heartbeat before and after each of its two
+# workloads (warm-up and the run): at the default 2 s, eight of the test's 12 s. The
+# timeout stays long: a stage on a busy machine is not to be taken for dead.
+LIVENESS = Liveness(heartbeat_s=0.25, timeout_s=6.0)
 # A run id as the rehearsal names things with it: links, namespaces, control groups.
 RUN_NAME = re.compile(r"(?:eb|edgebus-|edgebus-rehearse-)([0-9a-f]{6})(?![0-9a-f])")
 
@@ -70,7 +74,8 @@ def plant_file(model: Path, workdir: Path) -> tuple[Path, Path]:
                   broker=BrokerSettings(url="mqtt://box-a:1883"), model=model,
                   boxes=[BoxSpec(name="box-a", memory_mb=2048, speed=1.0)],
                   stages=[StageSpec(node="box-a", layers=(0, 6), weights="gguf")],
-                  security=Security(credentials=credentials, gateways=["plc-1"], ops=["ops"]))
+                  security=Security(credentials=credentials, gateways=["plc-1"], ops=["ops"]),
+                  liveness=LIVENESS)
     path = workdir / "plant.yaml"
     write_plant(plant, path)
     return path, credentials

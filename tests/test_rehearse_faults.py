@@ -13,12 +13,17 @@ is left, with `unavailable`.
 One rehearsal serves the whole module (starting one costs ~15 CPU-seconds of
 torch imports and kernel tuning); each test leaves every link up and every
 agent it needs online, in the order written; the memory tests kill stage 1's
-nodes, so they come last.
+nodes, so they come last. The expected answers, `generate`'s, are computed once
+for each prompt and length, beside the plant from the module's start on: the
+plant's waits leave the CPU idle, and a memory test's answers cost `generate`
+as long as the test's own run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import multiprocessing
 import secrets
 import shutil
 import signal
@@ -65,9 +70,6 @@ PROMPTS = ["The hydraulic press on line 3 reports a pressure drop. Likely causes
            "List three ways to reduce compressed-air leaks in a plant:",
            "Give two reasons a torque wrench reading may be wrong:"]
 ANSWER_S = 90.0
-# The head box runs stage 0 and the coordinator: at an equal share it was the
-# pipeline's bottleneck (a batch took 5.3 s, with twice the share 3.8 s).
-HEAD_SPEED = 2.0
 # What a box may use: far more than the tiny model needs, until a memory test lowers it.
 BOX_MB = 2048
 MIB = 1 << 20
@@ -80,15 +82,18 @@ KV_HEADS, HEAD_DIM = 4, 1024
 # room for a decode step's scratch.
 SQUEEZE_MB = 8
 # Tokens per request of a memory test. The limit is lowered while the first
-# requests stream their first tokens (at 13-18 prompt positions, under 64),
-# however fast the CPU: up to OOM_TOKENS every request still crosses 64, 128,
-# ..., 320, each growing its cache by 6 MiB on the squeezed stage, so its share
-# of the batch (4 of the 8 requests, or all 8 when it is the stage's only
-# node) adds at least 4 x 5 x 6 = 120 MiB after the squeeze, 15 times
-# SQUEEZE_MB, whatever the CPU's speed. With TOKENS, a request crosses 64 at
-# most once, and may have done so before the squeeze on a fast CPU: on a Xeon
-# the stage missed heartbeats (`unavailable` was answered) but lived on.
-OOM_TOKENS = 320
+# requests stream their first tokens (at 13-18 prompt positions, under 64):
+# up to OOM_TOKENS every request then crosses 64, 128 and 192 (13 + 180 > 192),
+# each growing its cache by 6 MiB on the squeezed stage, so its share of the
+# batch (4 of the 8 requests, or all 8 when it is the stage's only node) adds
+# 4 x 3 x 6 = 72 MiB after the squeeze, 9 times SQUEEZE_MB; still 6 times it on
+# a CPU so fast that every request had crossed 64 before the squeeze landed.
+# Here the stage died at its first crossing, near 64 positions; the tokens after
+# that are the standby's to generate, and `generate`'s to repeat (its cost grows
+# with their square), so no more of them than these margins need. With TOKENS,
+# a request crosses 64 at most once, and not at all from a short prompt: on a
+# Xeon the stage missed heartbeats (`unavailable` was answered) but lived on.
+OOM_TOKENS = 180
 # How long a stage over its limit may take to be killed: the kernel reclaims
 # before it kills. The test needs the death, so it waits for it, this long at most.
 OOM_DEATH_S = ANSWER_S
@@ -98,7 +103,7 @@ def fault_plant(model: Path) -> Plant:
     return Plant(
         plant_id="rehearse", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
         broker=BrokerSettings(url=f"mqtt://{STANDBY}:1883"), model=model,
-        boxes=[BoxSpec(name=name, memory_mb=BOX_MB, speed=HEAD_SPEED if name == HEAD else 1.0)
+        boxes=[BoxSpec(name=name, memory_mb=BOX_MB)
                for name in (HEAD, TAIL, STANDBY)],
         stages=[StageSpec(node=HEAD, layers=(0, 3)), StageSpec(node=TAIL, layers=(3, 6)),
                 StageSpec(node=STANDBY, layers=(3, 6))],
@@ -119,26 +124,42 @@ def model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The reference `generate` on one torch thread: beside four agents and other
-    engineers' tests on 2 cores, two threads took 30 s for what one did in 6."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def rehearsal(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rehearsal]:
     workdir = tmp_path_factory.mktemp("rehearse")
-    # Every core this machine has: the CPU quotas are not what these tests are about, and
-    # four agents importing torch on a fraction of a core each are slow to start.
     with Rehearsal(fault_plant(model), workdir,
                    Options(coordinator_box=HEAD, cpu_total=float(cores())),
                    progress=print) as running:
         running.start()
+        # No CPU quotas: they are not what these tests are about. Four agents importing
+        # torch on a fraction of a core each are slow to start, and a stage box left
+        # alone in its stage (after its peer's death) would idle half the machine.
+        for group in running.groups.values():
+            group.set_cpu(None)
         yield running
+
+
+# Max tokens -> prompt -> `generate`'s greedy tokens.
+References = dict[int, dict[str, concurrent.futures.Future[list[int]]]]
+
+
+@pytest.fixture(scope="module")
+def references(model: Path) -> Iterator[References]:
+    """`generate`'s answer to each prompt at each length the tests ask for, the first
+    tests' length first, computed from the module's start on in a process of its own (a
+    thread loading transformers beside the test's made the test's own imports fail), on
+    one torch thread: beside four agents on 2 cores, two took 30 s for what one did in 6."""
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        futures = {tokens: {prompt: pool.submit(reference_tokens, model, GenerateRequest(
+                                id="reference", prompt=prompt, max_tokens=tokens,
+                                ignore_eos=True))
+                            for prompt in PROMPTS}
+                   for tokens in (TOKENS, OOM_TOKENS)}
+        yield futures
+        for future in (f for by_prompt in futures.values() for f in by_prompt.values()):
+            future.cancel()
 
 
 def batch(prefix: str, tokens: int = TOKENS) -> list[GenerateRequest]:
@@ -161,15 +182,18 @@ async def generating(rehearsal: Rehearsal, prefix: str, offline: tuple[str, ...]
     # Requests that join a group later start later; half of them streaming is mid-generation.
     await seen.until(lambda: sum(r.id in seen.first_delta for r in requests) >= REQUESTS // 2,
                      ANSWER_S, "half the requests' first tokens")
-    assert not any(r.id in seen.responses for r in requests), "answered before the fault"
+    early = {r.id: seen.responses[r.id] for r in requests if r.id in seen.responses}
+    assert not early, f"answered before the fault: {early}"
     return client, requests
 
 
-def assert_exact(model: Path, client: Client, requests: list[GenerateRequest]) -> None:
+async def assert_exact(references: References, client: Client,
+                       requests: list[GenerateRequest]) -> None:
     for request in requests:
+        expected = await asyncio.wrap_future(references[request.max_tokens][request.prompt])
         response = client.observer.responses[request.id]
         assert response.error is None, (request.id, response.error)
-        assert response.tokens == reference_tokens(model, request), request.id
+        assert response.tokens == expected, request.id
 
 
 async def back_online(rehearsal: Rehearsal, client: Client) -> None:
@@ -178,12 +202,12 @@ async def back_online(rehearsal: Rehearsal, client: Client) -> None:
 
 
 async def test_a_stage_box_cut_off_fails_over_to_its_standby(
-        rehearsal: Rehearsal, model: Path) -> None:
+        rehearsal: Rehearsal, references: References) -> None:
     client, requests = await generating(rehearsal, "stage-")
     try:
         rehearsal.set_link(TAIL, up=False)
         await client.until_answered(requests, ANSWER_S)
-        assert_exact(model, client, requests)
+        await assert_exact(references, client, requests)
     finally:
         rehearsal.set_link(TAIL, up=True)
     await back_online(rehearsal, client)
@@ -191,7 +215,7 @@ async def test_a_stage_box_cut_off_fails_over_to_its_standby(
 
 
 async def test_the_broker_box_cut_off_past_the_liveness_timeout_loses_no_request(
-        rehearsal: Rehearsal, model: Path) -> None:
+        rehearsal: Rehearsal, references: References) -> None:
     client, requests = await generating(rehearsal, "broker-")
     rehearsal.set_link(STANDBY, up=False)
     try:
@@ -199,13 +223,13 @@ async def test_the_broker_box_cut_off_past_the_liveness_timeout_loses_no_request
     finally:
         rehearsal.set_link(STANDBY, up=True)
     await client.until_answered(requests, ANSWER_S)
-    assert_exact(model, client, requests)
+    await assert_exact(references, client, requests)
     await back_online(rehearsal, client)
     await client.__aexit__()
 
 
 async def test_the_coordinator_box_cut_off_answers_every_request_once_back(
-        rehearsal: Rehearsal, model: Path) -> None:
+        rehearsal: Rehearsal, references: References) -> None:
     client, requests = await generating(rehearsal, "coordinator-")
     cut = time.monotonic()
     open_ = [r for r in requests if r.id not in client.observer.responses]
@@ -215,7 +239,7 @@ async def test_the_coordinator_box_cut_off_answers_every_request_once_back(
     finally:
         rehearsal.set_link(HEAD, up=True)
     await client.until_answered(requests, ANSWER_S)
-    assert_exact(model, client, requests)
+    await assert_exact(references, client, requests)
     # Those open at the cut were answered after the cable was back: the cut did stall them.
     assert min(client.observer.done[r.id] for r in open_) > cut + CUT_S
     # Once each. The coordinator publishes its "offline" status after all its answers, on
@@ -259,14 +283,14 @@ def assert_oom_killed(rehearsal: Rehearsal, box: str, kills_before: int) -> None
 
 
 async def test_a_stage_killed_by_its_memory_limit_fails_over_to_its_standby(
-        rehearsal: Rehearsal, model: Path) -> None:
+        rehearsal: Rehearsal, references: References) -> None:
     client, requests = await generating(rehearsal, "oom-", tokens=OOM_TOKENS)
     coordinator = rehearsal.plant.coordinator.id
     failovers = client.observer.metric(coordinator, "failovers")
     kills = squeeze(rehearsal, TAIL)
     await client.until_answered(requests, ANSWER_S)
     assert_oom_killed(rehearsal, TAIL, kills)
-    assert_exact(model, client, requests)
+    await assert_exact(references, client, requests)
     await fresh_statuses(client, [coordinator], 10 * LIVENESS.heartbeat_s)
     assert client.observer.metric(coordinator, "failovers") > failovers, "nothing was replayed"
     await client.__aexit__()
