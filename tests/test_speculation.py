@@ -27,7 +27,6 @@ import aiomqtt
 import numpy as np
 import pytest
 from brokers import BrokerHandle, MosquittoBroker
-from gguf_models import tiny_gguf
 from pipeline import ask_all, plant_for, plant_reference, prompt_ids, running
 from plant_gateway import assert_exact, gateway, mid_generation, send
 from test_pipeline import TINY_SPLITS
@@ -53,14 +52,6 @@ from plant_config import (
 from plant_config.schema import Speculation
 
 SPLITS = TINY_SPLITS
-# The drafting Llama: tiny_models' Llama drawn with weights of this scale and seed. At
-# tiny_models.INIT_RANGE (0.2) a random model's greedy answers never repeat a pair of
-# tokens, so prompt lookup proposes no draft at all; at 0.05 they fall into phrases they
-# repeat, left now and then, and still depend on their history (`historyless_tokens`).
-# Seed 1 makes every request below both take drafts and reject some, through llama.cpp's
-# F16 and torch's fp32 alike.
-DRAFTING_INIT_RANGE = 0.05
-DRAFTING_SEED = 1
 # Its logits are nearly flat (small weights): at this temperature a seeded sampled answer
 # still departs from the greedy one on most tokens (the draws decide), while its repeats
 # keep drafts being taken.
@@ -74,14 +65,6 @@ DRAFTS = Speculation(drafts=3)
 ALARM = ("ALARM 4711 press line 2: hydraulic oil temperature 71 C above limit 65 C, "
          "pump P2 stopped at 14:02, operator acknowledged at 14:05.")
 CODE = "def total(items):\n    s = 0\n    for x in items:\n        s = s + x\n    return s\n"
-
-
-@pytest.fixture(scope="module")
-def drafting_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """The tiny Llama whose answers repeat phrases of their own (DRAFTING_INIT_RANGE), its
-    fp32 checkpoint and its GGUF (F16) side by side."""
-    return tiny_gguf("llama", tmp_path_factory.mktemp("drafting-llama"), smollm2_dir,
-                     seed=DRAFTING_SEED, initializer_range=DRAFTING_INIT_RANGE)
 
 
 def quoting() -> list[GenerateRequest]:
