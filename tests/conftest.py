@@ -39,8 +39,8 @@ BROKER_KINDS = ["amqtt", "mosquitto"]
 # tiny_models.INIT_RANGE (0.2) a random model's greedy answers never repeat a pair of
 # tokens, so prompt lookup proposes no draft at all; at 0.05 they fall into phrases they
 # repeat, left now and then, and still depend on their history (`historyless_tokens`).
-# Seed 1 makes every request of test_speculation.py both take drafts and reject some, through llama.cpp's
-# F16 and torch's fp32 alike.
+# Seed 1 makes every request of test_speculation.py both take drafts and reject some,
+# through llama.cpp's F16 and torch's fp32 alike.
 DRAFTING_INIT_RANGE = 0.05
 DRAFTING_SEED = 1
 
