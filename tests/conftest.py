@@ -34,6 +34,16 @@ from tiny_models import build_tiny
 from edgebus.model_import import bundled_gguf, default_model_dir, ensure_demo_model
 
 BROKER_KINDS = ["amqtt", "mosquitto"]
+
+# The drafting Llama: tiny_models' Llama drawn with weights of this scale and seed. At
+# tiny_models.INIT_RANGE (0.2) a random model's greedy answers never repeat a pair of
+# tokens, so prompt lookup proposes no draft at all; at 0.05 they fall into phrases they
+# repeat, left now and then, and still depend on their history (`historyless_tokens`).
+# Seed 1 makes every request of test_speculation.py both take drafts and reject some,
+# through llama.cpp's F16 and torch's fp32 alike.
+DRAFTING_INIT_RANGE = 0.05
+DRAFTING_SEED = 1
+
 # What EDGEBUS_HOME holds that is a cache, expensive to fill and safe to fill from
 # several processes at once (temporary names renamed into place, or a lock): the
 # imported models with their ONNX graphs, the stage GGUF cuts, the planner's llama.cpp
@@ -183,3 +193,12 @@ def tiny_family_gguf(tmp_path_factory: pytest.TempPathFactory,
 def deepseek_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The tiny random DeepSeek-V3 (MLA, dense layer 0, MoE after), one checkpoint file."""
     return build_tiny("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def drafting_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny Llama whose answers repeat phrases of their own (DRAFTING_INIT_RANGE), its
+    fp32 checkpoint and its GGUF (F16) side by side: pipelined speculation's drafts on a
+    tiny model (test_speculation.py, and the bench's speculation phase in test_bench.py)."""
+    return tiny_gguf("llama", tmp_path_factory.mktemp("drafting-llama"), smollm2_dir,
+                     seed=DRAFTING_SEED, initializer_range=DRAFTING_INIT_RANGE)

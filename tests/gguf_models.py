@@ -30,9 +30,11 @@ from harness.peers import convert_hf, llama_source
 SMOLLM_PRE_TOKENIZER = "smollm"
 
 
-def tiny_gguf(family: str, dest: Path, tokenizer_dir: Path) -> Path:
-    """A tiny random `family` checkpoint with its GGUF (F16) beside it as model.gguf."""
-    build_tiny(family, dest, tokenizer_dir)
+def tiny_gguf(family: str, dest: Path, tokenizer_dir: Path, seed: int = 0,
+              initializer_range: float | None = None) -> Path:
+    """A tiny random `family` checkpoint with its GGUF (F16) beside it as model.gguf;
+    `seed` and `initializer_range` as build_tiny takes them."""
+    build_tiny(family, dest, tokenizer_dir, seed=seed, initializer_range=initializer_range)
     convert_hf(llama_source(), dest, dest / GGUF_FILE, log=dest / "convert.log",
                pre_tokenizer=SMOLLM_PRE_TOKENIZER)
     return dest

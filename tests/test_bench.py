@@ -323,20 +323,26 @@ def test_drafts_are_held_to_llama_cpp_and_to_the_plant_without_them(
 STATUS_HEARTBEAT_S = 0.25
 
 
-@pytest.mark.slow
+# Tokens of each request in the speculation phase's test: the drafting Llama's answers
+# fall into the phrases they repeat within their first twenty tokens or so.
+SPECULATION_TOKENS = 32
+
+
 def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
-        smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        drafting_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The phase for real, shortened: one turn each way, a few tokens, no llama.cpp peer
-    (its tools take half an hour to build), and it says so."""
+    (its tools take half an hour to build), and it says so. On the tiny Llama whose answers
+    repeat themselves (conftest.py), so that drafts are taken: what is under test is the
+    phase's plants, counts and report, not a real model's speed."""
     monkeypatch.setattr(speculation, "TURNS", 1)
-    monkeypatch.setattr(speculation, "TOKENS", 12)
-    # Two requests of each workload: the first quoting ones have drafts taken.
+    monkeypatch.setattr(speculation, "TOKENS", SPECULATION_TOKENS)
+    # Two requests of each workload.
     workloads = {name: texts[:2] for name, texts in speculation.WORKLOADS.items()}
     monkeypatch.setattr(speculation, "WORKLOADS", workloads)
     notes: list[str] = []
 
     def plant(url: str) -> Plant:
-        made = make_plant(smollm2_dir, stages=2, broker=url, plant_id="spec", weights="gguf")
+        made = make_plant(drafting_llama, stages=2, broker=url, plant_id="spec", weights="gguf")
         # One thread a stage: its two stages share this box's two cores. The phase reads
         # the drafts counted from the coordinator's status, refreshed every heartbeat: a
         # short one, so that each of its reads waits a fraction of a second, not up to two.
@@ -344,16 +350,16 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
             s.model_copy(update={"kv_budget_mb": 32, "threads": 1}) for s in made.stages],
             "liveness": made.liveness.model_copy(update={"heartbeat_s": STATUS_HEARTBEAT_S}),
             "coordinator": made.coordinator.model_copy(update={
-                "max_prompt_tokens": 256, "max_tokens_limit": 16})})
+                "max_prompt_tokens": 256, "max_tokens_limit": SPECULATION_TOKENS})})
 
-    runs, load = speculation.measure("SmolLM2", plant, tmp_path,
-                                     AutoTokenizer.from_pretrained(smollm2_dir), None,
+    runs, load = speculation.measure("drafting Llama", plant, tmp_path,
+                                     AutoTokenizer.from_pretrained(drafting_llama), None,
                                      threads=1, load=False, notes=notes)
     assert load is None
     assert [run.workload for run in runs] == ["quoting", "free"]
     quoting = runs[0]
     assert quoting.off.tok_s > 0 and quoting.on.tok_s > 0
-    assert quoting.tokens == 12 * len(workloads["quoting"])
+    assert quoting.tokens == SPECULATION_TOKENS * len(workloads["quoting"])
     assert quoting.proposed > 0 and 0 < quoting.accepted <= quoting.proposed
     assert quoting.llama_cpp is None and any("not measured" in n for n in notes)
 

@@ -20,7 +20,15 @@ import gguf
 import pytest
 from brokers import BrokerHandle
 from pipeline import ask_all, plant_for, running
-from test_llamacpp import KV_BUDGET_MB, LIMITS, SPLITS, STAGE_THREADS, reference, requests
+from test_llamacpp import (
+    KV_BUDGET_MB,
+    LIMITS,
+    SPLITS,
+    STAGE_THREADS,
+    TINY_SPLITS,
+    reference,
+    requests,
+)
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from edgebus.cli import main
@@ -59,6 +67,13 @@ def bundled(smollm2_dir: Path) -> Path:
     path = bundled_gguf()
     assert filecmp.cmp(path, smollm2_dir / GGUF_FILE, shallow=False)
     return path
+
+
+@pytest.fixture(scope="module")
+def bundled_tensors(bundled: Path) -> list[Any]:
+    """gguf-py's reading of the bundled file's tensors (their bytes mapped, not read), once a
+    module: parsing its 49k-token vocabulary takes gguf-py seconds each time."""
+    return list(gguf.GGUFReader(str(bundled)).tensors)
 
 
 def test_the_config_read_from_the_gguf_is_the_imported_config(bundled: Path,
@@ -126,21 +141,26 @@ def test_the_gguf_tokenizer_gives_the_imported_tokenizers_ids_and_text(
     assert ours.decode(ids[:1]).endswith("\ufffd")
 
 
-@pytest.mark.slow
 async def test_a_plant_naming_the_gguf_answers_what_llamacpp_answers_whole(
-        bundled: Path, smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
+        tiny_llama_gguf: Path, amqtt_broker: BrokerHandle) -> None:
     """Three stages cut from the file, the coordinator tokenizing with the file's own
-    tokenizer: a chat, a prompt of three chunks and short prompts, in flight together."""
+    tokenizer: a chat, a prompt of three chunks and short prompts, in flight together.
+
+    The tiny Llama's GGUF carries SmolLM2's vocabulary, pre-tokenizer and chat template,
+    written by llama.cpp's converter (gguf_models.tiny_gguf), as the shipped file does;
+    the shipped file's cuts are held token for token by test_llamacpp.py's SmolLM2 split."""
     reqs = requests()[:4]
-    plant = plant_for(bundled, amqtt_broker, SPLITS["3-stages"], weights="gguf",
-                      kv_budget_mb=KV_BUDGET_MB, threads=STAGE_THREADS, **LIMITS)
+    plant = plant_for(tiny_llama_gguf / GGUF_FILE, amqtt_broker, TINY_SPLITS["3-stages"],
+                      weights="gguf", kv_budget_mb=KV_BUDGET_MB, threads=STAGE_THREADS,
+                      **LIMITS)
     async with running(plant) as stages:
         responses = await ask_all(plant, reqs)
-    assert stages[0].model.config.num_hidden_layers == 30
+    assert stages[0].model.config.num_hidden_layers == 6
     for request, response in zip(reqs, responses, strict=True):
         assert response.error is None, response.error
-        # The reference runs the same bytes (see `bundled`) whole, tokenized by transformers.
-        assert response.tokens == reference(smollm2_dir, request), request.id
+        # The reference runs the same bytes whole, from the directory they sit in, tokenized
+        # by transformers from the tokenizer files beside them.
+        assert response.tokens == reference(tiny_llama_gguf, request), request.id
 
 
 def test_a_gguf_model_with_a_stage_on_another_engine_is_refused(bundled: Path,
@@ -183,7 +203,8 @@ def test_stage_files_are_cut_into_edgebus_home_not_beside_the_gguf(
 
 
 def test_a_cut_is_the_same_bytes_whatever_its_chunks_and_copy(
-        bundled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        bundled: Path, bundled_tensors: list[Any], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The cut streams tensor bytes in bounded chunks, by the kernel or through one buffer:
     chunks that split blocks, and either way of copying, give the same file, whose tensors
     are the source's bytes."""
@@ -196,7 +217,7 @@ def test_a_cut_is_the_same_bytes_whatever_its_chunks_and_copy(
     stage_gguf._cut(bundled, cuts["buffered"], 10, 20, "middle", chunk=4096)
     content = {name: path.read_bytes() for name, path in cuts.items()}
     assert content["odd"] == content["default"] == content["buffered"]
-    source = {t.name: bytes(t.data) for t in gguf.GGUFReader(str(bundled)).tensors}
+    source = {t.name: bytes(t.data) for t in bundled_tensors}
     for tensor in gguf.GGUFReader(str(cuts["default"])).tensors:
         layer = tensor.name.split(".")
         if tensor.name.startswith("blk."):
@@ -215,10 +236,11 @@ def test_a_cut_without_the_disk_space_says_where_and_how_much(
     assert not [p for p in tmp_path.iterdir() if p.suffix in (".gguf", ".tmp")]
 
 
-def test_the_bytes_of_each_part_are_the_files_tensors(bundled: Path) -> None:
+def test_the_bytes_of_each_part_are_the_files_tensors(bundled: Path,
+                                                      bundled_tensors: list[Any]) -> None:
     """What `edgebus plan` and `init --example` size stages by, against gguf-py's reading
     of the same file."""
-    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(bundled)).tensors}
+    tensors = {t.name: int(t.n_bytes) for t in bundled_tensors}
     parts = gguf_model.part_bytes(bundled)
     for layer in range(30):
         assert parts[layer] == sum(size for name, size in tensors.items()
@@ -237,8 +259,8 @@ def test_a_llama_cpp_plant_is_profiled_in_llama_cpp(smollm2_dir: Path, bundled: 
 
 @pytest.mark.slow
 def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
-        bundled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        bundled: Path, bundled_tensors: list[Any], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`edgebus plan` on a plant naming the GGUF: a profile measured in llama.cpp, cached in
     $EDGEBUS_HOME, and each stage's weight bytes the file's tensors of its parts."""
     monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))
@@ -272,7 +294,7 @@ def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
     assert not fresh  # the plan's, from $EDGEBUS_HOME
     assert (tmp_path / "home" / "profiles").is_dir()
     assert all(ms > 0 for part in measured.layers for ms in part)
-    in_file = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(bundled)).tensors)
+    in_file = sum(int(t.n_bytes) for t in bundled_tensors)
     assert costs.weight_bytes((0, 30), "gguf") == in_file
     # The tied embedding is the first stage's lookup table and the last stage's LM head; the
     # first stage also holds the stand-in LM head llama.cpp insists on.

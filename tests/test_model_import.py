@@ -2,8 +2,10 @@
 
 Most tests use tiny GGUF files written here with gguf-py (a 2-layer Llama, one
 with a quantization gguf-py cannot dequantize, one of an unknown
-architecture): they run the real import in about a second. The `slow` ones
-use the real SmolLM2 import and compare it with the GGUF loaded directly.
+architecture): they run the real import in about a second, and the import of
+one in the shipped file's block types is held to transformers' own reading of
+the GGUF, logits and tokenizer. The `slow` ones check the real SmolLM2 import
+against gguf-py's reading of the shipped file.
 """
 
 from __future__ import annotations
@@ -380,33 +382,79 @@ def test_ensure_demo_model_leaves_foreign_content_alone(
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
-# --- the real SmolLM2 import, against the GGUF loaded directly ---------------
+# --- an import against the GGUF loaded directly by transformers -------------
+
+# The shipped file's block types (SmolLM2-135M-Instruct.Q4_1.gguf): a Q8_0 embedding, which
+# the head is tied to, and Q4_1 matrices.
+SHIPPED_MATRICES = {f"blk.{i}.{m}.weight": "Q4_1" for i in range(2) for m in (
+    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+
 
 @pytest.fixture(scope="module")
-def gguf_model() -> Any:
-    src = bundled_gguf()
-    return AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                dtype=torch.float32, local_files_only=True)
+def tiny_as_shipped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama in the shipped file's block types, and its import: the code path of
+    the demo model's import (dequantize, Q and K rows permuted back, tied head, byte-level
+    tokenizer with a chat template) in a second, where transformers took 20 s to read
+    SmolLM2's GGUF again for the reference."""
+    src = write_tiny_gguf(tmp_path_factory.mktemp("shipped") / "tiny-q4_1.gguf",
+                          embedding_type="Q8_0", matrix_types=SHIPPED_MATRICES)
+    import_gguf(src, src.with_name("imported"), progress=False)
+    return src
 
 
-@pytest.fixture(scope="module")
-def gguf_tokenizer() -> Any:
-    src = bundled_gguf()
-    return AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, local_files_only=True)
-
-
-@pytest.mark.slow
-def test_imported_smollm2_gives_bit_identical_logits(smollm2_dir: Path, gguf_model: Any,
-                                                     gguf_tokenizer: Any) -> None:
-    imported = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+def test_an_import_gives_bit_identical_logits_to_the_gguf(tiny_as_shipped: Path) -> None:
+    src = tiny_as_shipped
+    gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                      dtype=torch.float32, local_files_only=True)
+    imported = AutoModelForCausalLM.from_pretrained(src.with_name("imported"))
     assert imported.dtype == torch.float32
-    ids = gguf_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]
+    ids = torch.tensor([[3, 80, 75, 76, 258, 1, 90, 91, 2, 150, 151, 33]])
     with torch.inference_mode():
         expected = gguf_model(ids).logits
         got = imported(ids).logits
-    assert got.shape == (1, ids.shape[1], 49152)
+    assert got.shape == (1, ids.shape[1], gguf_model.config.vocab_size)
     assert torch.equal(got, expected)
+
+
+def test_an_imported_tokenizer_matches_the_gguf_one(tiny_as_shipped: Path) -> None:
+    src = tiny_as_shipped
+    gguf_tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name,
+                                                   local_files_only=True)
+    imported = AutoTokenizer.from_pretrained(src.with_name("imported"))
+    assert imported.chat_template
+    assert imported.chat_template == gguf_tokenizer.chat_template
+    for add_generation_prompt in (False, True):
+        assert (imported.apply_chat_template(CHAT, add_generation_prompt=add_generation_prompt)
+                == gguf_tokenizer.apply_chat_template(
+                    CHAT, add_generation_prompt=add_generation_prompt))
+    assert imported.encode(TRICKY_TEXT) == gguf_tokenizer.encode(TRICKY_TEXT)
+    assert imported.decode(imported.encode(TRICKY_TEXT)) == TRICKY_TEXT
+    assert (imported.eos_token, imported.bos_token) == (gguf_tokenizer.eos_token,
+                                                        gguf_tokenizer.bos_token)
+
+
+# --- the shipped SmolLM2 import ------------------------------------------------
+
+# Tensors of the shipped file and where its import holds them: the embedding (Q8_0, the
+# tied head too), matrices in Q4_1 that transformers keeps in their GGUF row order (Q and
+# K rows are permuted: their values are held by the tiny model's logits above), a norm.
+SHIPPED_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
+                   "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+                   "blk.29.ffn_down.weight": "model.layers.29.mlp.down_proj.weight",
+                   "output_norm.weight": "model.norm.weight"}
+
+
+@pytest.mark.slow
+def test_imported_smollm2_holds_the_shipped_files_values(smollm2_dir: Path) -> None:
+    """gguf-py's own reading of the shipped file, not transformers' (which the import ran)."""
+    stored = {t.name: t for t in gguf.GGUFReader(bundled_gguf()).tensors
+              if t.name in SHIPPED_TENSORS}
+    with safe_open(str(smollm2_dir / WEIGHTS_FILE), framework="pt") as weights:
+        for name, hf_name in SHIPPED_TENSORS.items():
+            expected = gguf.quants.dequantize(stored[name].data, stored[name].tensor_type)
+            assert torch.equal(weights.get_tensor(hf_name),
+                               torch.from_numpy(expected.astype(np.float32))), name
+    assert {stored[n].tensor_type.name for n in SHIPPED_TENSORS} == {"Q8_0", "Q4_1", "F32"}
 
 
 @pytest.mark.slow
@@ -418,21 +466,6 @@ def test_imported_smollm2_ties_its_head_to_the_embedding(smollm2_dir: Path) -> N
         names = set(weights.keys())
     assert "lm_head.weight" not in names
     assert len(names) == 272  # 30 layers x 9 tensors, embedding, final norm
-
-
-@pytest.mark.slow
-def test_imported_tokenizer_matches_the_gguf_one(smollm2_dir: Path, gguf_tokenizer: Any) -> None:
-    imported = AutoTokenizer.from_pretrained(smollm2_dir)
-    assert imported.chat_template
-    assert imported.chat_template == gguf_tokenizer.chat_template
-    for add_generation_prompt in (False, True):
-        assert (imported.apply_chat_template(CHAT, add_generation_prompt=add_generation_prompt)
-                == gguf_tokenizer.apply_chat_template(
-                    CHAT, add_generation_prompt=add_generation_prompt))
-    assert imported.encode(TRICKY_TEXT) == gguf_tokenizer.encode(TRICKY_TEXT)
-    assert imported.decode(imported.encode(TRICKY_TEXT)) == TRICKY_TEXT
-    assert (imported.eos_token, imported.bos_token) == (gguf_tokenizer.eos_token,
-                                                        gguf_tokenizer.bos_token)
 
 
 @pytest.mark.slow

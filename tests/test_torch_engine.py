@@ -90,7 +90,7 @@ def test_a_prompt_chunk_and_decode_rows_in_one_pass_equal_each_alone(smollm2_dir
 
 
 _MEASURE = """
-import json, sys
+import json, os, sys, traceback
 from pathlib import Path
 from node_agent.engines.torch_engine import TorchEngine
 
@@ -99,31 +99,53 @@ def rss():
         if line.startswith("VmRSS"):
             return int(line.split()[1]) * 1024
 
-model_dir, weights = Path(sys.argv[1]), sys.argv[2]
-TorchEngine(model_dir, 1, 2, weights=weights)  # pay for imports and lazy initialisation first
-base = rss()
-stage = TorchEngine(model_dir, 10, 20, weights=weights)
-# Touch every weight: RSS must count them, however they were loaded.
-# max, not sum: an int8 sum makes int64 temporaries, whose leftovers in the heap
-# moved the int8 figure by up to 25 MB from run to run.
-assert all(bool(p.max().isfinite()) for p in stage.parameters())
-print(json.dumps({"grown": rss() - base, "params": stage.param_bytes}))
+def measure(model_dir, weights):
+    TorchEngine(model_dir, 1, 2, weights=weights)  # pay for lazy initialisation first
+    base = rss()
+    stage = TorchEngine(model_dir, 10, 20, weights=weights)
+    # Touch every weight: RSS must count them, however they were loaded.
+    # max, not sum: an int8 sum makes int64 temporaries, whose leftovers in the heap
+    # moved the int8 figure by up to 25 MB from run to run.
+    assert all(bool(p.max().isfinite()) for p in stage.parameters())
+    return {"grown": rss() - base, "params": stage.param_bytes}
+
+model_dir, measured = Path(sys.argv[1]), {}
+for weights in sys.argv[2:]:
+    # Each mode in a child forked before any weight was loaded or any thread started: its
+    # growth is its own, and the imports are paid once.
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, json.dumps(measure(model_dir, weights)).encode())
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        written = pipe.read()
+    assert os.waitpid(pid, 0)[1] == 0, f"measuring {weights} failed"
+    measured[weights] = json.loads(written)
+print(json.dumps(measured))
 """
+MODES = ("fp32", "int8", "bf16")
 
 
 @functools.cache
-def _middle_stage_memory(model_dir: Path, weights: str) -> dict[str, int]:
-    """How much a fresh process grows loading layers [10, 20) in `weights` mode; measured
-    once a run (a process each, 5 s apiece), as both memory tests read the fp32 figure."""
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(model_dir), weights], check=True,
+def _middle_stage_memory(model_dir: Path) -> dict[str, dict[str, int]]:
+    """How much a fresh process grows loading layers [10, 20) in each weight mode, by mode;
+    measured once a run, in one process that forks a child a mode after its imports (a
+    process a mode spent 5 s apiece, most of it importing torch and transformers)."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(model_dir), *MODES], check=True,
                          capture_output=True, text=True, timeout=120).stdout
-    measured: dict[str, int] = json.loads(out.strip().splitlines()[-1])
+    measured: dict[str, dict[str, int]] = json.loads(out.strip().splitlines()[-1])
     return measured
 
 
 @pytest.mark.slow
 def test_middle_stage_process_memory_grows_by_its_layers_only(smollm2_dir: Path) -> None:
-    measured = _middle_stage_memory(smollm2_dir, "fp32")
+    measured = _middle_stage_memory(smollm2_dir)["fp32"]
     full_model = _checkpoint_bytes(smollm2_dir, ("",))
     # 10 of 30 layers are ~26 % of SmolLM2's bytes (the embedding is the rest).
     assert measured["grown"] < measured["params"] * 1.1 + 32 * 2**20
@@ -132,9 +154,7 @@ def test_middle_stage_process_memory_grows_by_its_layers_only(smollm2_dir: Path)
 
 @pytest.mark.slow
 def test_int8_stage_resident_memory_is_at_most_035_of_fp32(smollm2_dir: Path) -> None:
-    fp32 = _middle_stage_memory(smollm2_dir, "fp32")
-    int8 = _middle_stage_memory(smollm2_dir, "int8")
-    bf16 = _middle_stage_memory(smollm2_dir, "bf16")
+    fp32, int8, bf16 = (_middle_stage_memory(smollm2_dir)[mode] for mode in MODES)
     # int8 codes are a quarter of fp32, plus one bf16 scale per 576-wide row and fp32 norms.
     assert int8["params"] < 0.26 * fp32["params"]
     assert int8["grown"] <= 0.35 * fp32["grown"], (int8, fp32)
