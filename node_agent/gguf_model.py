@@ -209,17 +209,30 @@ class _Header:
         self.offset += length
         return text
 
+    def skip_strings(self, count: int) -> None:
+        """Step over `count` strings, each its 64-bit length and its bytes."""
+        length = struct.Struct(self.order + "Q").unpack_from
+        data, offset = self.data, self.offset
+        for _ in range(count):
+            offset += _LENGTH_BYTES + length(data, offset)[0]
+        self.offset = offset
+
     def value(self, kind: int) -> Any:
         if kind == gguf.GGUFValueType.STRING:
             return self.string()
         if kind == gguf.GGUFValueType.ARRAY:
             item, count = self.take("I"), self.take("Q")
             if item == gguf.GGUFValueType.STRING:
-                for _ in range(count):  # skipped, not decoded: see _read
-                    length = self.take("Q")
-                    self.offset += length
+                self.skip_strings(count)  # skipped, not decoded: see _read
                 return _StringArray(count)
-            return [self.value(item) for _ in range(count)]
+            if item == gguf.GGUFValueType.ARRAY:
+                return [self.value(item) for _ in range(count)]
+            # A vocabulary's scores and token types, in one unpack rather than one call an
+            # entry: a walk of SmolLM2's header took 0.11 s of CPU at every stage's start.
+            fmt = f"{self.order}{count}{SCALARS[gguf.GGUFValueType(item)]}"
+            values = struct.unpack_from(fmt, self.data, self.offset)
+            self.offset += struct.calcsize(fmt)
+            return [bool(v) for v in values] if item == gguf.GGUFValueType.BOOL else list(values)
         value = self.take(SCALARS[gguf.GGUFValueType(kind)])
         return bool(value) if kind == gguf.GGUFValueType.BOOL else value
 
@@ -304,6 +317,8 @@ class _StringArray:
 
 
 _MAGIC = b"GGUF"
+# A string's length before its bytes: a uint64 in GGUF v2 and v3.
+_LENGTH_BYTES = 8
 # Version 1 counted lengths in 32 bits; llama.cpp reads only these.
 _VERSIONS = (2, 3)
 # transformers' names of special tokens, and the GGUF keys of their ids.

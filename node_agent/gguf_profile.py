@@ -20,10 +20,10 @@ in one call; each time is the minimum over ROUNDS, the least disturbed by
 other processes on shared cores.
 
 Memory: a stage's weight bytes are the file's tensors of its layers
-(gguf_model.part_bytes: the embedding on the first stage, the head on the
+(gguf_memory.weight_sizes: the embedding on the first stage, the head on the
 last); the process baseline is an idle llama.cpp stage agent's, measured once
 (stage_memory.IDLE_AGENT_BYTES: no torch, which such a stage never imports);
-the file's shape (`llamacpp_shape`) sizes the KV and the buffers llama.cpp
+the file's shape (gguf_memory.llamacpp_shape) sizes the KV and the buffers llama.cpp
 reserves at the plant's limits (plant_config/stage_memory.py). The other
 weight modes' bytes are 0: a GGUF plant runs gguf only (plant_config/schema.py
 refuses the rest).
@@ -54,12 +54,13 @@ from edgebus.core.paths import edgebus_home
 from node_agent.engines.base import ContextShape
 from node_agent.engines.llamacpp import library
 from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, LlamaCppEngine
-from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes, read_config
-from node_agent.measured import Measured, Sizes, costs_from
+from node_agent.gguf_memory import llamacpp_shape, weight_sizes
+from node_agent.gguf_model import read_config
+from node_agent.measured import Measured, costs_from
 from node_agent.message_cost import measure_message
 from node_agent.model_config import kv_bytes_per_token
-from plant_config.planner import BATCH_ROWS, PREFILL_POSITIONS, ModelCosts, PartBytes
-from plant_config.stage_memory import IDLE_AGENT_BYTES, LlamaCppShape
+from plant_config.planner import BATCH_ROWS, PREFILL_POSITIONS, ModelCosts
+from plant_config.stage_memory import IDLE_AGENT_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -98,33 +99,6 @@ def costs(measured: Measured, path: Path) -> ModelCosts:
     # The baseline of profiles cached before it was a measured constant is replaced too.
     return replace(costs_from(measured, weight_sizes(path)), baseline_bytes=IDLE_AGENT_BYTES,
                    llamacpp=llamacpp_shape(path))
-
-
-def llamacpp_shape(path: Path) -> LlamaCppShape:
-    """What sizes a llama.cpp node's KV and buffers, from the GGUF's metadata."""
-    config = read_config(path)
-    # An MoE layer's widest activations are its chosen experts' rows, side by side.
-    ffn = max(config.intermediate_size or 0,
-              (getattr(config, "moe_intermediate_size", None) or 0)
-              * (getattr(config, "num_experts_per_tok", None) or 0))
-    return LlamaCppShape(
-        kv_bytes=tuple(kv_bytes_per_token(config, (layer, layer + 1), KV_ITEM_BYTES)
-                       for layer in range(config.num_hidden_layers)),
-        heads=config.num_attention_heads, hidden=config.hidden_size, ffn=ffn,
-        vocab=config.vocab_size)
-
-
-def weight_sizes(path: Path) -> Sizes:
-    """Bytes per layer, of the embedding and of the head as the file holds them; whether
-    the head is the embedding's matrix."""
-    parts = part_bytes(path)
-    config = read_config(path)
-
-    def sizes(part: str | int) -> PartBytes:
-        return PartBytes(fp32=0, bf16=0, int8=0, int4=0, gguf=parts.get(part, 0))
-
-    return (tuple(sizes(layer) for layer in range(config.num_hidden_layers)),
-            sizes(EMBEDDING), sizes(HEAD), bool(config.tie_word_embeddings))
 
 
 def measure(path: Path, *, rounds: int = ROUNDS) -> Measured:

@@ -5,16 +5,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from edgebus.core.errors import PlantConfigError
 from plant_config.layout import even_split
-from plant_config.planner import ModelCosts, Plan, plan, plant_boxes
 from plant_config.problems import from_validation_error, plant_error
 from plant_config.schema import Plant, WeightMode
-from plant_config.stage_memory import INIT_KV_REQUESTS
+
+if TYPE_CHECKING:
+    from plant_config.planner import ModelCosts, Plan
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ def example_plant(name: str, model_dir: str | os.PathLike[str], costs: ModelCost
                   broker: str | None = None, topic_root: str | None = None,
                   weights: WeightMode = "fp32") -> Plant:
     """The example plant `name` for the model in `model_dir`, its layers split by the planner."""
+    # Here, not at the top: `edgebus` reads EXAMPLES for its --example choices on every
+    # command, agents' included, and the planner brings numpy (a broker's 0.1 s of start).
+    from plant_config.planner import plan, plant_boxes
+    from plant_config.stage_memory import INIT_KV_REQUESTS
+
     if name not in EXAMPLES:
         raise PlantConfigError(f"no example plant {name!r} — choose one of "
                                f"{', '.join(sorted(EXAMPLES))}")

@@ -24,6 +24,7 @@ from tiny_models import build_tiny
 
 from edgebus.core.paths import GGUF_FILE
 from harness.peers import convert_hf, llama_source
+from plant_config import Plant
 
 # The pre-tokenizer of SmolLM2's tokenizer, which the tiny models borrow: the converter
 # knows it by the hash of the Hub's copy, which an import through transformers changes.
@@ -104,3 +105,17 @@ def tiny_random_gguf(family: str, file_type: str, dest: Path) -> Path:
     real, changes = TINY_SHAPES[family]
     written: Path = tool.write(dataclasses.replace(tool.SHAPES[real], **changes), file_type, dest)
     return written
+
+
+# A llama.cpp node's KV in tests that start a tiny model's agents as processes: llama.cpp
+# reserves and zeroes a node's whole share at start, and the plant default (512 MiB: 256
+# requests of 5,120 positions on 3 tiny layers) cost 0.35-0.6 s of system CPU at every stage's
+# start and 0.2 s at its exit, about half of a tiny stage agent's start (2-core EPYC). 32 MiB
+# hold 17 requests on 3 tiny layers, 8 on all 6: what those tests keep in flight at most.
+PROCESS_KV_BUDGET_MB = 32
+
+
+def with_kv_budget(plant: Plant, kv_budget_mb: int = PROCESS_KV_BUDGET_MB) -> Plant:
+    """`plant` with every stage node's kv_budget_mb set to `kv_budget_mb`."""
+    return plant.model_copy(update={"stages": [
+        stage.model_copy(update={"kv_budget_mb": kv_budget_mb}) for stage in plant.stages]})

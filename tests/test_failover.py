@@ -26,6 +26,7 @@ from signal import SIGKILL
 import plant_gateway
 import pytest
 from brokers import MosquittoBroker
+from gguf_models import with_kv_budget
 from plant_gateway import (
     AgentProcesses,
     Gateway,
@@ -65,8 +66,8 @@ def requests(tokens: int = TOKENS) -> list[GenerateRequest]:
 
 def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path, *,
                      replicas: int, liveness: Liveness = LIVENESS) -> tuple[Path, Plant]:
-    plant = make_plant(model, stages=2, broker=broker.url, plant_id="failover",
-                       replicas=replicas, weights="gguf")
+    plant = with_kv_budget(make_plant(model, stages=2, broker=broker.url, plant_id="failover",
+                                      replicas=replicas, weights="gguf"))
     plant = plant.model_copy(update={
         "liveness": liveness,
         "coordinator": plant.coordinator.model_copy(

@@ -26,6 +26,7 @@ import aiomqtt
 import pytest
 import yaml
 from brokers import BrokerHandle, free_port
+from gguf_models import with_kv_budget
 from pipeline import plant_reference
 
 from edgebus.core.errors import EdgebusError
@@ -70,9 +71,10 @@ Statuses = dict[str, AgentStatus]
 
 def plant_file(model: Path, workdir: Path, broker: str = "embedded") -> tuple[Path, Plant]:
     """A STAGES-stage plant of llama.cpp stages (what `up` does is the same for every engine,
-    and these agents start without importing torch); with the embedded broker, on a free
-    port (never 1883)."""
-    plant = make_plant(model, stages=STAGES, broker=broker, plant_id="uptest", weights="gguf")
+    and these agents start without importing torch), each reserving a small KV
+    (gguf_models.with_kv_budget); with the embedded broker, on a free port (never 1883)."""
+    plant = with_kv_budget(make_plant(model, stages=STAGES, broker=broker, plant_id="uptest",
+                                      weights="gguf"))
     if plant.broker.embedded:
         plant = plant.model_copy(update={"broker": plant.broker.model_copy(
             update={"host": LOOPBACK, "port": free_port()})})

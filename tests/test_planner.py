@@ -22,7 +22,7 @@ from edgebus.cli import main
 from edgebus.core.errors import PlantConfigError
 from node_agent.costs import model_costs
 from node_agent.engines import load_engine
-from node_agent.gguf_profile import llamacpp_shape
+from node_agent.gguf_memory import llamacpp_shape
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
 from plant_config.layout import LayerRange, fit_problems, layout_problems
