@@ -173,7 +173,9 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
     arch = str(fields[gguf.Keys.General.ARCHITECTURE].value)
     middle = role == "middle"
     layers = int(fields[f"{arch}.block_count"].value)
-    vocab = next(t.dims[-1] for t in src.tensors if t.name == "token_embd.weight")
+    # Every file llama.cpp loads has the embedding: its rows are the vocabulary, and a
+    # stand-in is shaped as it.
+    embedding_dims = next(t.dims for t in src.tensors if t.name == "token_embd.weight")
     header = _Encoder(src.order)
     with source.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         entries: list[bytes] = []
@@ -191,7 +193,7 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
                 entries.append(header.entry(name, entry.kind, value, item))
     entries.append(header.entry("tokenizer.ggml.model", gguf.GGUFValueType.STRING, "none"))
     entries.append(header.entry(f"{arch}.vocab_size", gguf.GGUFValueType.UINT32,
-                                VOCAB_KEEP if middle else vocab))
+                                VOCAB_KEEP if middle else embedding_dims[-1]))
     q_lora = gguf.Keys.Attention.Q_LORA_RANK.format(arch=arch)
     if arch in _LITE_BY_LAYER_COUNT and q_lora not in fields:
         # llama.cpp takes a deepseek2 file without q_lora_rank for a "lite" model (a full-rank
@@ -205,8 +207,7 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
     infos: list[bytes] = []
     offset = 0
     untied = any(tensor.name == "output.weight" for tensor in src.tensors)
-    # Shaped as the embedding, which every file llama.cpp loads has.
-    standin = _Standin(next(t.dims for t in src.tensors if t.name == "token_embd.weight"))
+    standin = _Standin(embedding_dims)
     for tensor in src.tensors:
         name, dims = tensor.name, tensor.dims
         block, block_bytes = gguf.GGML_QUANT_SIZES[tensor.kind]
