@@ -51,6 +51,7 @@ from tqdm import tqdm
 from edgebus.core.errors import ModelImportError
 from edgebus.core.locks import exclusive
 from edgebus.core.paths import GGUF_FILE, edgebus_home
+from edgebus.gguf_read_once import read_once
 
 if TYPE_CHECKING:
     import torch
@@ -271,8 +272,8 @@ def _convert(src: Path, out: Path, *, progress: bool, keep_quantized: bool) -> N
     from transformers import AutoTokenizer
 
     steps = _KEPT_STEPS if keep_quantized else _STEPS
-    with tqdm(total=len(steps), desc=f"Importing {src.name}", unit="step",
-              disable=not progress) as bar:
+    with read_once(), tqdm(total=len(steps), desc=f"Importing {src.name}", unit="step",
+                           disable=not progress) as bar:
         bar.set_postfix_str("dequantize")
         # Model first: an unsupported architecture or quantization fails here,
         # before the tokenizer is built for nothing.
