@@ -35,8 +35,6 @@ from tiny_models import build_tiny
 from edgebus.model_import import bundled_gguf, default_model_dir, ensure_demo_model
 
 BROKER_KINDS = ["amqtt", "mosquitto"]
-# torch's threads in the test process (pytest_configure).
-TEST_PROCESS_TORCH_THREADS = 1
 
 # The drafting Llama: tiny_models' Llama drawn with weights of this scale and seed. At
 # tiny_models.INIT_RANGE (0.2) a random model's greedy answers never repeat a pair of
@@ -63,12 +61,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if find_spec("torch") is not None:
         import torch
 
-        # The test process's torch on one thread. Its work is tiny models' references and
-        # in-process stages, whose operations last microseconds, beside a plant's other agents
-        # in threads and processes of its own: with two threads every operation waited at an
-        # OpenMP barrier for a core the plant held. test_pipeline.py's tiny-model tests took
-        # 78 CPU-seconds with two, 26 with one (2-core AMD EPYC, load 6).
-        torch.set_num_threads(TEST_PROCESS_TORCH_THREADS)
+        # As the engines this process loads (pipeline.IN_PROCESS_THREADS says why).
+        torch.set_num_threads(pipeline.IN_PROCESS_THREADS)
 
 
 @pytest.hookimpl(wrapper=True)

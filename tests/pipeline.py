@@ -67,6 +67,15 @@ def plant_for(model_dir: Path, broker: BrokerHandle, splits: Sequence[tuple[int,
         coordinator=CoordinatorSpec(**coordinator))  # type: ignore[arg-type]
 
 
+# Threads of the engines this process loads (shared stages and references) and of its torch
+# (conftest.py). Their operations on tiny models last microseconds, beside a plant's other
+# agents in threads and processes of their own: with two threads every operation waited at
+# an OpenMP barrier for a core the plant held. test_pipeline.py's tiny-model tests took 78
+# CPU-seconds with two, 26.7 with one; SmolLM2's llama.cpp chat reference 12.8 with two, 1.4
+# with one (2-core AMD EPYC, load 5-7). llama.cpp and torch compute each row on one thread
+# either way, so the answers do not change.
+IN_PROCESS_THREADS = 1
+
 # Loaded stage engines, shared between tests because loading is the slow part, until
 # release_models (conftest.py: at the end of each test module). Kept for the whole run, the
 # suite's process held 13.5 GB by its end: every engine, mode and split of SmolLM2.
@@ -77,7 +86,8 @@ def stage_model(model_dir: Path, first: int, end: int, weights: WeightMode = "fp
                 engine: EngineName = "auto") -> StageEngine:
     key = (model_dir, first, end, weights, engine)
     if key not in _STAGES:
-        _STAGES[key] = load_engine(model_dir, first, end, engine=engine, weights=weights)
+        _STAGES[key] = load_engine(model_dir, first, end, engine=engine, weights=weights,
+                                   threads=IN_PROCESS_THREADS)
     return _STAGES[key]
 
 
