@@ -86,10 +86,9 @@ async def test_smollm2_token_exact_over_mosquitto(smollm2_dir: Path,
 
 async def test_concurrent_requests_are_batched_and_stay_exact(
         tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
-    """Eight requests arriving at different moments share decode steps, and each
+    """Four requests arriving at different moments share decode steps, and each
     still gets exactly the tokens generate() gives it alone."""
-    topics = ["a PLC", "a servo drive", "an HMI", "a safety relay", "a VFD", "a SCADA system",
-              "an encoder", "a proximity sensor"]
+    topics = ["a PLC", "a servo drive", "an HMI", "a safety relay"]
     reqs = [GenerateRequest(id=f"q{i}", max_tokens=LONG_DECODE, ignore_eos=True, stream=True,
                             messages=[ChatMessage(role="user", content=f"What is {t}?")])
             for i, t in enumerate(topics)]
