@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_launcher import READY_S, agent_ids, all_are, children_of, wait_exit, watch_statuses
 from gguf_models import with_kv_budget
+from test_launcher import READY_S, agent_ids, all_are, children_of, wait_exit, watch_statuses
 from test_llamacpp import LIMITS, reference, requests
 from tiny_models import build_tiny
 from transformers import AutoConfig, GenerationConfig
