@@ -29,7 +29,7 @@ from brokers import (
     MosquittoBroker,
     mosquitto_binary,
 )
-from gguf_models import tiny_gguf
+from gguf_models import Tensor, tensors, tiny_gguf
 from tiny_models import build_tiny
 
 from edgebus.model_import import bundled_gguf, default_model_dir, ensure_demo_model
@@ -163,6 +163,13 @@ def smollm2_gguf() -> Path:
     the llama.cpp tests run on a box without torch (its bytes are the imported
     directory's model.gguf, tests/test_no_torch.py)."""
     return bundled_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_tensors(smollm2_gguf: Path) -> dict[str, Tensor]:
+    """gguf-py's reading of the bundled file's tensors by name, once a run: parsing the
+    file's 49k-token vocabulary takes gguf-py 3 s each time."""
+    return tensors(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")

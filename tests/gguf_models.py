@@ -75,6 +75,31 @@ def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType,
     return dest
 
 
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A tensor as gguf-py reads it, without the file kept mapped: a test of what a stage
+    maps would see gguf-py's map of the source beside it."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_bytes: int
+    data_offset: int
+
+    def read(self, path: Path) -> bytes:
+        """Its bytes in `path`, the file it was read from."""
+        with path.open("rb") as f:
+            f.seek(self.data_offset)
+            return f.read(self.n_bytes)
+
+
+def tensors(path: Path) -> dict[str, Tensor]:
+    """gguf-py's reading of the tensors of the GGUF `path`, by name."""
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: Tensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape),
+                           int(t.n_bytes), int(t.data_offset)) for t in reader.tensors}
+
+
 def random_gguf_tool() -> ModuleType:
     """tools/random_gguf.py, which lives outside the installed packages."""
     return dev_tool("tools/random_gguf.py")

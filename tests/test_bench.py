@@ -336,8 +336,8 @@ def test_the_speculation_phase_measures_a_plant_with_drafts_and_without(
     phase's plants, counts and report, not a real model's speed."""
     monkeypatch.setattr(speculation, "TURNS", 1)
     monkeypatch.setattr(speculation, "TOKENS", SPECULATION_TOKENS)
-    # Two requests of each workload.
-    workloads = {name: texts[:2] for name, texts in speculation.WORKLOADS.items()}
+    # One request of each workload: the plants' starts, not their tokens, are the phase's cost.
+    workloads = {name: texts[:1] for name, texts in speculation.WORKLOADS.items()}
     monkeypatch.setattr(speculation, "WORKLOADS", workloads)
     notes: list[str] = []
 

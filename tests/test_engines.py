@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -70,12 +71,18 @@ TINY_SPLITS_CHECKED = {"3-stages": TINY_SPLITS["3-stages-uneven"],
 # SmolLM2's tokens a request: a token costs the whole model (0.2 s in onnxruntime fp32 on
 # the EPYC), and the reference decodes each request alone; a few show the split exact.
 SMOLLM2_TOKENS = 8
+# SmolLM2's requests: the chat and the short prompt, batched. The long prompt's prefill in
+# chunks (300 positions, twice: the plant and the reference) is the tiny Llama's to show,
+# through every engine and mode (test_every_split_answers_what_one_process_answers).
+SMOLLM2_REQUESTS = ("chat", "short")
 
 
 async def test_smollm2_through_three_onnxruntime_stages_answers_what_one_process_answers(
         smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
     """The real model through the onnxruntime engine, split, batched: exact against itself."""
-    reqs = [r.model_copy(update={"max_tokens": SMOLLM2_TOKENS}) for r in requests()]
+    reqs = [r.model_copy(update={"max_tokens": SMOLLM2_TOKENS}) for r in requests()
+            if r.id in SMOLLM2_REQUESTS]
+    assert len(reqs) == len(SMOLLM2_REQUESTS)
     plant = plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLIT, weights="fp32",
                       engine="onnxruntime")
     async with running(plant) as stages:
@@ -83,7 +90,7 @@ async def test_smollm2_through_three_onnxruntime_stages_answers_what_one_process
     for r, response in zip(reqs, responses, strict=True):
         assert response.error is None, response.error
         assert response.tokens == engine_tokens(smollm2_dir, r, "onnxruntime", "fp32"), r.id
-    # The three requests were in flight together: some pass carried more than one row.
+    # The requests were in flight together: some pass carried more than one row.
     assert stages[-1].metrics["rows"] > stages[-1].metrics["steps"]
 
 
@@ -150,25 +157,35 @@ def test_graphs_are_built_once_and_reused(tiny_llama: Path) -> None:
     assert {f.name: f.stat().st_mtime_ns for f in built[0].iterdir()} == before
 
 
+@pytest.fixture(scope="module")
+def tiny_mistral(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny Mistral (window 8), no graphs cached: its first layer's two templates are
+    exported once here, by the test that watches the exporter's logging."""
+    return build_tiny("mistral", tmp_path_factory.mktemp("mistral"), smollm2_dir)
+
+
 def test_building_graphs_logs_nothing_below_warning_but_its_own_lines(
-        tmp_path: Path, smollm2_dir: Path, caplog: pytest.LogCaptureFixture,
+        tiny_mistral: Path, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An agent logs at INFO: the exporter's per-pass lines flooded `edgebus up`."""
-    model = build_tiny("llama", tmp_path / "llama", smollm2_dir)  # no graphs cached yet
-    # Nor templates: an earlier test's would spare the exporter, whose lines are the point.
-    monkeypatch.setattr(onnx_graphs, "_TEMPLATES", {})
-    with caplog.at_level(logging.INFO):
-        load_engine(model, 0, 1, engine="onnxruntime", weights="int8")
-    assert onnx_graphs._TEMPLATES  # it did export
+    # No templates: an earlier test's would spare the exporter, whose lines are the point.
+    exported: dict[str, onnx.ModelProto] = {}
+    with monkeypatch.context() as patch, caplog.at_level(logging.INFO):
+        patch.setattr(onnx_graphs, "_TEMPLATES", exported)
+        load_engine(tiny_mistral, 0, 1, engine="onnxruntime", weights="int8")
+    assert exported  # it did export
     assert [r.name for r in caplog.records if not r.name.startswith("node_agent")] == []
+    # The process's templates gain them, as any export's: the sliding-window test's stage
+    # is the same layer.
+    onnx_graphs._TEMPLATES.update(exported)
 
 
-def test_onnx_honours_a_sliding_window(tmp_path: Path, smollm2_dir: Path) -> None:
+def test_onnx_honours_a_sliding_window(tiny_mistral: Path) -> None:
     """A tiny Mistral (window 8) past its window: onnxruntime fp32 computes what torch does,
     alone and batched, and the window changes the answer (else the test proves nothing).
     Its first layer alone, as a first stage: the window is each layer's attention, and a
     stage of one layer is two graphs to export, where the whole model is four."""
-    mistral = build_tiny("mistral", tmp_path, smollm2_dir)
+    mistral = tiny_mistral
     ids = torch.arange(200, 230).unsqueeze(0)                                         # [1,30]
     torch_fp32 = stage_model(mistral, 0, 1, "fp32", "torch")
     onnx_fp32 = stage_model(mistral, 0, 1, "fp32", "onnxruntime")

@@ -19,6 +19,7 @@ from typing import Any
 import gguf
 import pytest
 from brokers import BrokerHandle
+from gguf_models import Tensor
 from pipeline import ask_all, plant_for, running
 from test_llamacpp import (
     KV_BUDGET_MB,
@@ -70,10 +71,11 @@ def bundled(smollm2_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bundled_tensors(bundled: Path) -> list[Any]:
-    """gguf-py's reading of the bundled file's tensors (their bytes mapped, not read), once a
-    module: parsing its 49k-token vocabulary takes gguf-py seconds each time."""
-    return list(gguf.GGUFReader(str(bundled)).tensors)
+def bundled_tensors(bundled: Path, smollm2_gguf: Path,
+                    smollm2_gguf_tensors: dict[str, Tensor]) -> list[Tensor]:
+    """gguf-py's reading of the bundled file's tensors (conftest.py's, read once a run)."""
+    assert bundled == smollm2_gguf
+    return list(smollm2_gguf_tensors.values())
 
 
 def test_the_config_read_from_the_gguf_is_the_imported_config(bundled: Path,
@@ -203,27 +205,29 @@ def test_stage_files_are_cut_into_edgebus_home_not_beside_the_gguf(
 
 
 def test_a_cut_is_the_same_bytes_whatever_its_chunks_and_copy(
-        bundled: Path, bundled_tensors: list[Any], tmp_path: Path,
+        bundled: Path, bundled_tensors: list[Tensor], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The cut streams tensor bytes in bounded chunks, by the kernel or through one buffer:
     chunks that split blocks, and either way of copying, give the same file, whose tensors
-    are the source's bytes."""
+    are the source's bytes. (Two middle layers: 1000-byte chunks copy a layer in a thousand
+    calls, and every call takes the same path.)"""
     cuts = {}
+    first, end = 10, 12
     for name, chunk in (("default", stage_gguf.COPY_CHUNK), ("odd", 1000)):
         cuts[name] = tmp_path / f"{name}.gguf"
-        stage_gguf._cut(bundled, cuts[name], 10, 20, "middle", chunk=chunk)
+        stage_gguf._cut(bundled, cuts[name], first, end, "middle", chunk=chunk)
     monkeypatch.delattr(stage_gguf.os, "copy_file_range")
     cuts["buffered"] = tmp_path / "buffered.gguf"
-    stage_gguf._cut(bundled, cuts["buffered"], 10, 20, "middle", chunk=4096)
+    stage_gguf._cut(bundled, cuts["buffered"], first, end, "middle", chunk=4096)
     content = {name: path.read_bytes() for name, path in cuts.items()}
     assert content["odd"] == content["default"] == content["buffered"]
-    source = {t.name: bytes(t.data) for t in bundled_tensors}
+    source = {t.name: t for t in bundled_tensors}
     for tensor in gguf.GGUFReader(str(cuts["default"])).tensors:
         layer = tensor.name.split(".")
         if tensor.name.startswith("blk."):
-            shipped = source[f"blk.{int(layer[1]) + 10}.{'.'.join(layer[2:])}"]
-        else:
-            shipped = source[tensor.name][:len(bytes(tensor.data))]  # the embedding's rows
+            shipped = source[f"blk.{int(layer[1]) + first}.{'.'.join(layer[2:])}"].read(bundled)
+        else:  # the embedding's rows
+            shipped = source[tensor.name].read(bundled)[:len(bytes(tensor.data))]
         assert bytes(tensor.data) == shipped, tensor.name
 
 
@@ -237,7 +241,7 @@ def test_a_cut_without_the_disk_space_says_where_and_how_much(
 
 
 def test_the_bytes_of_each_part_are_the_files_tensors(bundled: Path,
-                                                      bundled_tensors: list[Any]) -> None:
+                                                      bundled_tensors: list[Tensor]) -> None:
     """What `edgebus plan` and `init --example` size stages by, against gguf-py's reading
     of the same file."""
     tensors = {t.name: int(t.n_bytes) for t in bundled_tensors}
@@ -259,7 +263,7 @@ def test_a_llama_cpp_plant_is_profiled_in_llama_cpp(smollm2_dir: Path, bundled: 
 
 @pytest.mark.slow
 def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
-        bundled: Path, bundled_tensors: list[Any], tmp_path: Path,
+        bundled: Path, bundled_tensors: list[Tensor], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`edgebus plan` on a plant naming the GGUF: a profile measured in llama.cpp, cached in
     $EDGEBUS_HOME, and each stage's weight bytes the file's tensors of its parts."""

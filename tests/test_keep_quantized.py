@@ -5,13 +5,15 @@ Three layers of proof:
   gguf-py's own dequantization bit for bit (random blocks, every field exercised);
 - a tiny GGUF with all five kept types (and one that is not kept) imports with
   its matrices stored as blocks that read back, through the checkpoint reader
-  a stage uses, as exactly the fp32 values the plain import writes, its K-quant
-  blocks run in an ONNX Runtime stage, and through two stages over a real broker
-  they answer what the same engine and weights answer in one process;
-- the bundled SmolLM2 (Q4_1 matrices, Q8_0 embedding) imported that way gives
-  the torch engine bit-identical logits to the fp32 import, and a 4-bit ONNX
-  Runtime stage holds the GGUF's own codes (SmolLM2's split through onnxruntime
-  is test_engines.py's).
+  a stage uses, as exactly the fp32 values the plain import writes; its blocks run
+  in an ONNX Runtime stage, whose MatMulNBits multiply by exactly the GGUF's codes,
+  and through two stages over a real broker they answer what the same engine and
+  weights answer in one process;
+- a tiny GGUF in the shipped SmolLM2 file's block types (Q4_1 matrices, a Q8_0
+  embedding the head is tied to), imported as the demo model is
+  (`ensure_demo_model(keep_quantized=True)`, made once), gives the torch engine
+  bit-identical logits to its fp32 import. The shipped file's own import is
+  test_model_import.py's, SmolLM2's split through onnxruntime test_engines.py's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from brokers import BrokerHandle
 from onnx import numpy_helper
 from pipeline import ask_all, engine_tokens, plant_for, running, stage_model
-from test_model_import import HALF_FIELDS, random_blocks, write_tiny_gguf
+from test_model_import import HALF_FIELDS, SHIPPED_MATRICES, random_blocks, write_tiny_gguf
 from test_pipeline import requests
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import GPT2TensorProcessor, LlamaTensorProcessor
@@ -68,11 +70,12 @@ TINY_KEPT = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 3, "Q6_K": 3, "Q8_0": 3}  # with the 
 TINY_DEQUANTIZED = {"F32": 5, "Q5_0": 1}  # 2 norms a layer, the final norm; ffn_down of layer 0
 # The kept import must be far smaller than fp32: Q4_1 is 0.78 bytes a weight as kept
 # (codes, fp32 scale and minimum, zero point), Q8_0 1.125, fp32 4.
-SMOLLM2_MAX_SIZE_RATIO = 0.30
+SHIPPED_MAX_SIZE_RATIO = 0.30
 # The tiny kept model through MatMulNBits against its dequantized weights in torch: 0.7 %
 # of the largest logit measured, 9.5 % with the minimums left out.
 ORT_TOLERANCE = 0.03
-PROMPT_IDS = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646]])
+# Token ids of the tiny GGUFs' vocabulary (3 specials, 256 bytes, one merge).
+PROMPT_IDS = torch.tensor([[1, 72, 101, 108, 108, 111, 259, 2]])
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -223,14 +226,21 @@ def test_tiny_kept_import_reads_back_as_the_fp32_import(tiny_mixed: Path, tiny_k
         ).st_size
 
 
+# The tiny kept model's ONNX Runtime stages, each holding every kept type: layer 0 (its
+# Q5_0 matrix dequantized), and layer 1 with the head, the tied Q8_0 embedding. Their
+# graphs come from three templates (entry, exit, head), where the whole model needs four;
+# the two stages over a broker (below) are these.
+FIRST_STAGE, LAST_STAGE = (0, 1), (1, 2)
+
+
 def test_every_kept_type_runs_in_an_onnxruntime_stage(tiny_kept: Path) -> None:
     """Q4_K's minimum, Q6_K's 16-weight blocks with zero points, and the rest go into
     MatMulNBits as stored; what it computes is the dequantized weights' product (the
     torch engine's, in fp32), up to the int8 rounding of activations it makes at
     onnx_weights.INT8_ACCURACY_LEVEL where the CPU has VNNI."""
     ids = torch.tensor([[1, 70, 71, 72, 73, 74]])
-    reference = load_engine(tiny_kept, 0, 2, engine="torch", weights="fp32")
-    kept = load_engine(tiny_kept, 0, 2, engine="onnxruntime", weights="int4")
+    reference = load_engine(tiny_kept, *FIRST_STAGE, engine="torch", weights="fp32")
+    kept = stage_model(tiny_kept, *FIRST_STAGE, "int4", "onnxruntime")
     want = reference.step([ids], [KVCache()], [0])[0]
     got = kept.step([ids], [KVCache()], [0])[0]
     assert want is not None and got is not None
@@ -238,6 +248,60 @@ def test_every_kept_type_runs_in_an_onnxruntime_stage(tiny_kept: Path) -> None:
     assert (got - want).abs().max() < ORT_TOLERANCE * want.abs().max()
     # The kept stage holds codes, not fp32: well under half the fp32 stage's bytes.
     assert kept.param_bytes < 0.5 * reference.param_bytes
+
+
+def test_a_4bit_stage_multiplies_by_exactly_the_kept_codes(tiny_kept: Path) -> None:
+    """Every MatMulNBits weight in the stage's graphs is kept matrices, one after another
+    (the engine stacks products of one input, as Q, K and V, into one where their blocks
+    are of one form): the GGUF's codes, scales and minimums as they are."""
+    stage_model(tiny_kept, *LAST_STAGE, "int4", "onnxruntime")
+    first, end = LAST_STAGE
+    layer = [f"model.layers.{first}.{m}.weight" for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    with CheckpointReader(tiny_kept, _skeleton(tiny_kept)) as reader:
+        kept = [reader.blocks(name) for name in [*layer, "model.embed_tokens.weight"]]
+    by_first_row: dict[bytes, list[BlockQuantized]] = {}
+    for blocks in kept:
+        assert blocks is not None
+        by_first_row.setdefault(blocks.codes[0].tobytes(), []).append(blocks)
+    graphs = next((tiny_kept / CACHE_DIR).glob(f"layers-{first}-{end}-int4-*"))
+    used = []
+    for path in sorted(graphs.glob("*.onnx")):
+        graph = onnx.load(str(path)).graph
+        initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+        for node in graph.node:
+            if node.op_type != "MatMulNBits":
+                continue
+            codes = initializers[node.input[1]]
+            scales = initializers[node.input[2]].reshape(len(codes), -1)
+            minimums = initializers.get(node.input[1].replace(".codes", ".minimums"))
+            row = 0
+            while row < len(codes):
+                found = _kept_at(by_first_row, codes, row)
+                assert found is not None, f"{path.name}: {node.input[1]} row {row} is not kept"
+                end_row = row + found.shape[0]
+                assert np.array_equal(scales[row:end_row], found.scales)
+                if found.minimums is None:
+                    assert minimums is None
+                else:
+                    assert minimums is not None
+                    assert np.array_equal(minimums[:, row:end_row], found.minimums.T)
+                used.append(found.source)
+                row = end_row
+    # Layer 1's 7 matrices, and the tied LM head as the Q8_0 embedding.
+    assert sorted(used) == sorted([TINY_TYPES[f"blk.{first}.{m}.weight"] for m in (
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+        + ["Q8_0"])
+
+
+def _kept_at(by_first_row: dict[bytes, list[BlockQuantized]], codes: np.ndarray,
+             row: int) -> BlockQuantized | None:
+    """The kept matrix whose codes are `codes` from `row` on, if any."""
+    for blocks in by_first_row.get(codes[row].tobytes(), []):
+        if np.array_equal(codes[row:row + blocks.shape[0]], blocks.codes):
+            return blocks
+    return None
 
 
 def test_cli_reports_what_was_kept_and_what_was_dequantized(
@@ -277,96 +341,68 @@ def test_unsupported_architecture_fails_as_without_the_flag(tmp_path: Path) -> N
     assert [p.name for p in tmp_path.iterdir()] == ["rwkv.gguf"]
 
 
-# --- the bundled SmolLM2 ---------------------------------------------------------
+# --- a tiny GGUF in the shipped file's block types, imported as the demo model is ---------
 
-@pytest.fixture(scope="session")
-def smollm2_kept() -> Path:
-    """The demo model imported with its blocks kept, where the bench keeps it (beside
-    smollm2_dir): the import (~45 s of both cores) is paid once per machine, not per worker."""
-    return ensure_demo_model(progress=False, keep_quantized=True)
+@pytest.fixture(scope="module")
+def tiny_shipped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama GGUF in the shipped SmolLM2 file's block types: the code path of the
+    demo model's kept import (Q4_1 matrices with their minimums, Q and K rows permuted back,
+    a Q8_0 embedding the head is tied to) in a second, where SmolLM2's took 36 s."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("shipped") / "tiny-q4_1.gguf",
+                           embedding_type="Q8_0", matrix_types=SHIPPED_MATRICES)
 
 
-@pytest.mark.slow
-def test_the_demo_import_with_blocks_kept_is_made_once(smollm2_kept: Path) -> None:
+@pytest.fixture(scope="module")
+def demo_kept(tiny_shipped: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ensure_demo_model(keep_quantized=True) with the tiny file as the bundled one."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_import, "bundled_gguf", lambda: tiny_shipped)
+        return ensure_demo_model(tmp_path_factory.mktemp("home") / "demo-kept", progress=False,
+                                 keep_quantized=True)
+
+
+@pytest.fixture(scope="module")
+def shipped_fp32(tiny_shipped: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return import_gguf(tiny_shipped, tmp_path_factory.mktemp("shipped-fp32") / "model",
+                       progress=False)
+
+
+def test_the_demo_import_with_blocks_kept_is_made_once(
+        demo_kept: Path, tiny_shipped: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ensure_demo_model(keep_quantized=True): a kept import, left alone once it is there."""
-    assert import_summary(smollm2_kept).startswith("kept as GGUF blocks: 210 Q4_1, 1 Q8_0")
-    written = (smollm2_kept / WEIGHTS_FILE).stat().st_mtime_ns
-    assert ensure_demo_model(smollm2_kept, progress=False, keep_quantized=True) == smollm2_kept
-    assert (smollm2_kept / WEIGHTS_FILE).stat().st_mtime_ns == written
+    assert import_summary(demo_kept).startswith("kept as GGUF blocks: 14 Q4_1, 1 Q8_0")
+    written = (demo_kept / WEIGHTS_FILE).stat().st_mtime_ns
+    monkeypatch.setattr(model_import, "bundled_gguf", lambda: tiny_shipped)
+    monkeypatch.setattr(model_import, "import_gguf", lambda *a, **k: pytest.fail("re-imported"))
+    assert ensure_demo_model(demo_kept, progress=False, keep_quantized=True) == demo_kept
+    assert (demo_kept / WEIGHTS_FILE).stat().st_mtime_ns == written
 
 
-def test_kept_smollm2_gives_the_torch_engine_bit_identical_logits(
-        smollm2_kept: Path, smollm2_dir: Path) -> None:
-    kept = load_engine(smollm2_kept, 0, 30, engine="torch")
-    fp32 = stage_model(smollm2_dir, 0, 30, "fp32", "torch")
+def test_kept_demo_gives_the_torch_engine_bit_identical_logits(
+        demo_kept: Path, shipped_fp32: Path) -> None:
+    kept = load_engine(demo_kept, 0, 2, engine="torch")
+    fp32 = load_engine(shipped_fp32, 0, 2, engine="torch", weights="fp32")
     got = kept.step([PROMPT_IDS], [KVCache()], [0])[0]
     want = fp32.step([PROMPT_IDS], [KVCache()], [0])[0]
     assert got is not None and want is not None
     assert torch.equal(got, want)
 
 
-@pytest.mark.slow
-def test_kept_smollm2_holds_the_gguf_blocks(smollm2_kept: Path, smollm2_dir: Path) -> None:
-    size, fp32_size = ((d / WEIGHTS_FILE).stat().st_size for d in (smollm2_kept, smollm2_dir))
-    assert size < SMOLLM2_MAX_SIZE_RATIO * fp32_size
-    assert len(_stored_types(smollm2_kept)) == 211  # 7 matrices in each of 30 layers, embedding
-    skeleton = _skeleton(smollm2_kept)
-    decoder = [f"model.layers.{i}.{m}.weight" for i in range(30) for m in (
+def test_kept_demo_holds_the_gguf_blocks(demo_kept: Path, shipped_fp32: Path) -> None:
+    size, fp32_size = ((d / WEIGHTS_FILE).stat().st_size for d in (demo_kept, shipped_fp32))
+    assert size < SHIPPED_MAX_SIZE_RATIO * fp32_size
+    assert len(_stored_types(demo_kept)) == 15  # 7 matrices in each of 2 layers, embedding
+    decoder = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    with CheckpointReader(smollm2_kept, skeleton) as reader:
-        stored: dict[str, BlockQuantized] = {}
+    with CheckpointReader(demo_kept, _skeleton(demo_kept)) as reader:
         for name in decoder:
             blocks = reader.blocks(name)
             assert blocks is not None and (blocks.source, blocks.bits) == ("Q4_1", 4), name
             assert blocks.minimums is not None, name
-            stored[name] = blocks
         embedding = reader.blocks("model.embed_tokens.weight")
         assert embedding is not None and (embedding.source, embedding.bits) == ("Q8_0", 8)
         assert reader.blocks("model.norm.weight") is None
-
-    # A 4-bit ONNX Runtime stage built from it multiplies by exactly these codes, scales
-    # and minimums: every MatMulNBits weight in its graphs is kept matrices, one after
-    # another (the engine stacks products of one input, as Q, K and V, into one).
-    stage_model(smollm2_kept, 0, 30, "int4", "onnxruntime")
-    graphs = next((smollm2_kept / CACHE_DIR).glob("layers-0-30-int4-*"))
-    by_first_row: dict[bytes, list[BlockQuantized]] = {}
-    for blocks in [*stored.values(), embedding]:
-        by_first_row.setdefault(blocks.codes[0].tobytes(), []).append(blocks)
-    used = []
-    for path in sorted(graphs.glob("*.onnx")):
-        graph = onnx.load(str(path)).graph
-        initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-        for node in graph.node:
-            if node.op_type != "MatMulNBits":
-                continue
-            codes = initializers[node.input[1]]
-            scales = initializers[node.input[2]].reshape(len(codes), -1)
-            minimums = initializers.get(node.input[1].replace(".codes", ".minimums"))
-            row = 0
-            while row < len(codes):
-                blocks = _kept_at(by_first_row, codes, row)
-                assert blocks is not None, f"{path.name}: {node.input[1]} row {row} is not kept"
-                end = row + blocks.shape[0]
-                assert np.array_equal(scales[row:end], blocks.scales)
-                if blocks.minimums is None:
-                    assert minimums is None
-                else:
-                    assert minimums is not None
-                    assert np.array_equal(minimums[:, row:end], blocks.minimums.T)
-                used.append(blocks.source)
-                row = end
-    # 7 matrices a layer, and the tied LM head as the Q8_0 embedding.
-    assert sorted(used) == ["Q4_1"] * 210 + ["Q8_0"]
-
-
-def _kept_at(by_first_row: dict[bytes, list[BlockQuantized]], codes: np.ndarray,
-             row: int) -> BlockQuantized | None:
-    """The kept matrix whose codes are `codes` from `row` on, if any."""
-    for blocks in by_first_row.get(codes[row].tobytes(), []):
-        if np.array_equal(codes[row:row + blocks.shape[0]], blocks.codes):
-            return blocks
-    return None
 
 
 async def test_kept_blocks_through_two_stages_answer_as_in_one_process(
@@ -375,7 +411,7 @@ async def test_kept_blocks_through_two_stages_answer_as_in_one_process(
     batched, answers what the same engine and weights answer in one process."""
     # Random weights may say their end token at once: they decode all their tokens instead.
     reqs = [r.model_copy(update={"ignore_eos": True}) for r in requests()]
-    plant = plant_for(tiny_kept, amqtt_broker, [(0, 1), (1, 2)], weights="int4",
+    plant = plant_for(tiny_kept, amqtt_broker, [FIRST_STAGE, LAST_STAGE], weights="int4",
                       engine="onnxruntime")
     async with running(plant) as stages:
         responses = await ask_all(plant, reqs)

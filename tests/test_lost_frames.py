@@ -50,7 +50,7 @@ OVERDUE = "taken as lost in transit"
 # (token_loop.STALL_MIN_S): a tiny model's decode step takes milliseconds, so the floor
 # alone decides when the lost one is found, and the test waited it out. A step a loaded
 # box holds up longer is replayed too, which assert_replayed_once_for allows.
-STALL_MIN_S = 1.0
+STALL_MIN_S = 0.5
 
 Drop = Callable[[Peek], bool]
 

@@ -8,11 +8,16 @@ directory ahead on PYTHONPATH whose `torch` and `transformers` packages raise
 ImportError, and leave a mark of who imported them), `edgebus up` serves a
 3-stage plant that answers token for token what llama.cpp answers whole, and
 `edgebus demo` answers its question.
+
+Which modules a process imports is a property of its code path, not of the model: the
+plant runs the tiny Llama GGUF's directory, whose config.json the agents read without
+transformers. A plant naming a GGUF file is what `edgebus demo` starts (the bundled SmolLM2
+file, where the real model is the point), and tests/test_gguf_model.py holds such a plant
+to llama.cpp whole.
 """
 
 from __future__ import annotations
 
-import filecmp
 import json
 import os
 import subprocess
@@ -20,16 +25,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf_models import with_kv_budget
 from test_launcher import READY_S, agent_ids, all_are, children_of, wait_exit, watch_statuses
-from test_llamacpp import KV_BUDGET_MB, LIMITS, reference, requests
+from test_llamacpp import LIMITS, reference, requests
 from tiny_models import build_tiny
 from transformers import AutoConfig, GenerationConfig
 
 from edgebus.ask import ask
-from edgebus.core.paths import GGUF_FILE
 from edgebus.core.processes import LOOPBACK, free_port, proc_status_bytes
 from edgebus.launcher import STOP_GRACE_S
-from edgebus.model_import import bundled_gguf
 from node_agent.model_config import generation_eos, kv_bytes_per_token, load_config
 from plant_config import make_plant, write_plant
 
@@ -84,18 +88,14 @@ def _blocker(directory: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["directory", "gguf"])
 async def test_a_plant_without_torch_answers_what_llamacpp_answers_whole(
-        smollm2_dir: Path, tmp_path: Path, model: str) -> None:
-    """The plant's model: an imported directory, or the GGUF file it was imported from (the
-    same bytes), which needs no import at all."""
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """The plant's model: a model directory (config.json, model.gguf)."""
     path, marks = _blocker(tmp_path / "blocker")
-    source = smollm2_dir if model == "directory" else bundled_gguf()
-    assert model == "directory" or filecmp.cmp(source, smollm2_dir / GGUF_FILE, shallow=False)
-    plant = make_plant(source, stages=3, weights="gguf", plant_id="notorch")
+    source = tiny_llama_gguf
+    plant = with_kv_budget(make_plant(source, stages=3, weights="gguf", plant_id="notorch"))
     plant = plant.model_copy(update={
         "broker": plant.broker.model_copy(update={"host": LOOPBACK, "port": free_port()}),
-        "stages": [s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB}) for s in plant.stages],
         "coordinator": plant.coordinator.model_copy(update=LIMITS)})
     plant_path = tmp_path / "plant.yaml"
     write_plant(plant, plant_path)
@@ -131,7 +131,7 @@ async def test_a_plant_without_torch_answers_what_llamacpp_answers_whole(
     assert {p.name: p.read_text() for p in marks.iterdir()} == {}
     for request, response in zip(reqs, responses, strict=True):
         assert response.error is None, response.error
-        assert response.tokens == reference(smollm2_dir, request), request.id
+        assert response.tokens == reference(source, request), request.id
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from edgebus.core.errors import PlantConfigError
 from node_agent.costs import model_costs
 from node_agent.engines import load_engine
 from node_agent.gguf_memory import llamacpp_shape
+from node_agent.measured import Measured, write_cache
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
 from plant_config.layout import LayerRange, fit_problems, layout_problems
@@ -197,15 +198,50 @@ def test_more_stages_than_layers() -> None:
 
 # -- the real model --------------------------------------------------------------------------
 
+# SmolLM2's profile as `edgebus plan --profile` measured it on the 2-core EPYC the suite is
+# timed on (2026-12-03, one thread): ms of a 128-position prefill, of a decode step and of a
+# 16-row decode step; a decode message's CPU ms (agents, Mosquitto); an idle agent's bytes.
+# The planner's input, recorded, where measuring it again took 20 s of a cold run; its 30
+# layers measured within 4 % (prefill) and 18 % (decode) of each other, recorded as their
+# medians. The profiler itself is under test on the tiny Llama
+# (test_profile_is_cached_next_to_the_model).
+SMOLLM2_LAYER_MS = (13.67, 2.19, 2.46)
+SMOLLM2_EMBEDDING_MS = (0.095, 0.050, 0.049)
+SMOLLM2_HEAD_MS = (9.59, 9.46, 9.33)
+SMOLLM2_MESSAGE_MS = (0.56, 0.039)
+SMOLLM2_BASELINE_BYTES = 369_917_952
+
+
 @pytest.fixture(scope="session")
-def smollm2_costs(smollm2_dir: Path) -> ModelCosts:
-    """SmolLM2's cost model: the cached profile, or measured now (~10 s) and cached."""
-    costs, _, _ = model_costs(smollm2_dir)
+def smollm2_profiled(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """SmolLM2's model directory (its files linked) with the recorded profile cached in it,
+    as `edgebus plan --profile` leaves it: what the planner, `init --example` and `plan`
+    read. The machine's own SmolLM2 cache keeps the profile measured there."""
+    # Imported here: the torch profiler's module imports torch (a base install has none).
+    from node_agent import profile
+
+    model_dir = tmp_path_factory.mktemp("smollm2-profiled")
+    for path in smollm2_dir.iterdir():
+        if path.is_file() and path.name != profile.PROFILE_FILE:
+            (model_dir / path.name).symlink_to(path)
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    write_cache(profile.cache_path(model_dir), Measured(
+        layers=[SMOLLM2_LAYER_MS] * layers, embedding=SMOLLM2_EMBEDDING_MS,
+        head=SMOLLM2_HEAD_MS, message=SMOLLM2_MESSAGE_MS, baseline_bytes=SMOLLM2_BASELINE_BYTES,
+        key=profile.cache_key(model_dir), measured_at="2026-12-03 19:58 UTC"))
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_costs(smollm2_profiled: Path) -> ModelCosts:
+    """SmolLM2's cost model, of its recorded profile."""
+    costs, _, fresh = model_costs(smollm2_profiled)
+    assert not fresh, "the recorded profile was not taken: measured again"
     return costs
 
 
-def test_jetson_2pi_example_on_smollm2(smollm2_dir: Path, smollm2_costs: ModelCosts) -> None:
-    plant = example_plant("jetson-2pi", smollm2_dir, smollm2_costs)
+def test_jetson_2pi_example_on_smollm2(smollm2_profiled: Path, smollm2_costs: ModelCosts) -> None:
+    plant = example_plant("jetson-2pi", smollm2_profiled, smollm2_costs)
     assert plant.broker.url == "mqtt://jetson:1883"
     assert {b.name: b.device for b in plant.boxes or []} == {
         "pi-1": "rpi5", "pi-2": "rpi5", "jetson": "jetson-orin-nano"}
@@ -226,17 +262,17 @@ def test_jetson_2pi_example_on_smollm2(smollm2_dir: Path, smollm2_costs: ModelCo
 
 
 def test_init_example_writes_the_planned_plant(
-        tmp_path: Path, smollm2_dir: Path, smollm2_costs: ModelCosts,
+        tmp_path: Path, smollm2_profiled: Path, smollm2_costs: ModelCosts,
         capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plant.yaml"
     # fp32: the costs compared with are torch's; an imported directory alone gets gguf nodes.
-    main(["init", str(path), "--model", str(smollm2_dir), "--example", "jetson-2pi",
+    main(["init", str(path), "--model", str(smollm2_profiled), "--example", "jetson-2pi",
           "--weights", "fp32"])
     written = load_plant(path)
-    planned = example_plant("jetson-2pi", smollm2_dir, smollm2_costs)
+    planned = example_plant("jetson-2pi", smollm2_profiled, smollm2_costs)
     assert written.boxes == planned.boxes and written.stages == planned.stages
     with pytest.raises(SystemExit):
-        main(["init", str(path), "--model", str(smollm2_dir), "--example", "jetson-2pi",
+        main(["init", str(path), "--model", str(smollm2_profiled), "--example", "jetson-2pi",
               "--stages", "3", "--force"])
     assert "drop --stages and --replicas" in capsys.readouterr().err
 
@@ -262,9 +298,9 @@ def test_plan_beats_a_split_proportional_to_memory(smollm2_costs: ModelCosts) ->
 
 
 def test_plan_json_parses_and_passes_the_layout_checks(
-        tmp_path: Path, smollm2_dir: Path, smollm2_costs: ModelCosts,
+        tmp_path: Path, smollm2_profiled: Path, smollm2_costs: ModelCosts,
         capsys: pytest.CaptureFixture[str]) -> None:
-    plant = example_plant("jetson-2pi", smollm2_dir, smollm2_costs, weights="int8")
+    plant = example_plant("jetson-2pi", smollm2_profiled, smollm2_costs, weights="int8")
     path = tmp_path / "plant.yaml"
     write_plant(plant, path)
     main(["plan", str(path), "--json"])
@@ -274,7 +310,7 @@ def test_plan_json_parses_and_passes_the_layout_checks(
     assert [stage["node"] for stage in data["stages"]] == ["pi-1", "pi-2", "jetson"]
     ranges = [tuple(stage["layers"]) for stage in data["stages"]]
     assert layout_problems(ranges) == []
-    assert fit_problems(ranges, smollm2_costs.num_layers, smollm2_dir / "config.json") == []
+    assert fit_problems(ranges, smollm2_costs.num_layers, smollm2_profiled / "config.json") == []
     # The plant file with the planned layers loads.
     raw = yaml.safe_load(path.read_text())
     raw["stages"] = [{**stage, "layers": list(layers)}
@@ -283,10 +319,10 @@ def test_plan_json_parses_and_passes_the_layout_checks(
     assert [s.layers for s in load_plant(path).stages] == ranges
 
 
-def test_plan_table(tmp_path: Path, smollm2_dir: Path, smollm2_costs: ModelCosts,
+def test_plan_table(tmp_path: Path, smollm2_profiled: Path, smollm2_costs: ModelCosts,
                     capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "plant.yaml"
-    write_plant(example_plant("jetson-2pi", smollm2_dir, smollm2_costs), path)
+    write_plant(example_plant("jetson-2pi", smollm2_profiled, smollm2_costs), path)
     main(["plan", str(path)])
     out = capsys.readouterr().out
     assert "jetson-orin-nano" in out and "slowest stage:" in out

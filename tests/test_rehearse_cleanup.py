@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import optional
+from gguf_models import PROCESS_KV_BUDGET_MB
 
 from edgebus.rehearse import leftovers, netns
 from edgebus.rehearse.cgroups import CGROUP_ROOT, V1Tree
@@ -67,13 +68,15 @@ def snapshot(run: str | None = None) -> dict[str, set[str]]:
 
 def plant_file(model: Path, workdir: Path) -> tuple[Path, Path]:
     """A one-box plant with security on, its stage on llama.cpp (whose agent starts on its
-    box's core share without importing torch); its path and its credentials directory."""
+    box's core share without importing torch) with a small KV (gguf_models.with_kv_budget);
+    its path and its credentials directory."""
     credentials = workdir / "credentials"
     credentials.mkdir(mode=0o700)
     plant = Plant(plant_id="cleanup", topic_root="edgebus-test/cleanup",
                   broker=BrokerSettings(url="mqtt://box-a:1883"), model=model,
                   boxes=[BoxSpec(name="box-a", memory_mb=2048, speed=1.0)],
-                  stages=[StageSpec(node="box-a", layers=(0, 6), weights="gguf")],
+                  stages=[StageSpec(node="box-a", layers=(0, 6), weights="gguf",
+                                    kv_budget_mb=PROCESS_KV_BUDGET_MB)],
                   security=Security(credentials=credentials, gateways=["plc-1"], ops=["ops"]),
                   liveness=LIVENESS)
     path = workdir / "plant.yaml"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import optional
 import pytest
-from tiny_models import build_tiny
+from gguf_models import PROCESS_KV_BUDGET_MB
 
 from edgebus.cli import main
 from edgebus.core.errors import EdgebusError
@@ -107,14 +107,17 @@ def test_a_llama_cpp_stage_in_a_box_too_small_refuses_itself_with_the_numbers(
 @optional.needs(missing(), "a rehearsal")
 @optional.HOST_NETWORK
 def test_a_stage_killed_by_the_oom_killer_is_reported_with_the_numbers(
-        tmp_path: Path, smollm2_dir: Path) -> None:
-    model = build_tiny("llama", tmp_path / "model", smollm2_dir)
+        tmp_path: Path, tiny_llama_gguf: Path) -> None:
+    # The killed stage is torch's; the broker's box runs its stage on llama.cpp, which
+    # starts without importing torch: it never serves, the plant dies before coming online.
     plant = Plant(
         plant_id="rehearse", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
-        broker=BrokerSettings(url="mqtt://roomy:1883"), model=model,
+        broker=BrokerSettings(url="mqtt://roomy:1883"), model=tiny_llama_gguf,
         boxes=[BoxSpec(name="roomy", memory_mb=ROOMY_MB), BoxSpec(name="tiny",
                                                                   memory_mb=TINY_MB)],
-        stages=[StageSpec(node="roomy", layers=(0, 3)), StageSpec(node="tiny", layers=(3, 6))])
+        stages=[StageSpec(node="roomy", layers=(0, 3), weights="gguf",
+                          kv_budget_mb=PROCESS_KV_BUDGET_MB),
+                StageSpec(node="tiny", layers=(3, 6))])
 
     message, _ = _failed_start(plant, tmp_path, "tiny")
     print(message)

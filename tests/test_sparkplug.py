@@ -25,6 +25,7 @@ from typing import Any
 import aiomqtt
 import pytest
 from brokers import BrokerHandle, MosquittoBroker
+from gguf_models import PROCESS_KV_BUDGET_MB
 from pipeline import plant_for, running, tokenizer
 
 # Installed apart, with --no-deps (.ci/run, docs/sparkplug.md): it pins paho-mqtt<2.
@@ -57,7 +58,7 @@ from plant_config.schema import Ops, Sparkplug
 # Heartbeats (and so Sparkplug data) every half second, so each wait below is
 # a few heartbeats long; a dead node counts as dead after 2 s.
 LIVENESS = Liveness(heartbeat_s=0.5, timeout_s=2.0, stage_wait_s=20.0)
-# A stage process imports torch and loads its layers: seconds on 2 busy cores.
+# A stage process loads its layers: seconds on 2 busy cores.
 ONLINE_S = 60.0
 # Everything after that takes a few heartbeats; the margin is for a loaded box.
 WAIT_S = 15.0
@@ -153,8 +154,11 @@ def with_sparkplug(plant: Plant) -> tuple[Plant, str]:
 
 
 async def test_births_data_rebirth_and_the_ndeath_of_a_killed_stage(
-        tiny_llama: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
-    plant, group = with_sparkplug(plant_for(tiny_llama, mosquitto_broker, [(0, 6)]))
+        tiny_llama_gguf: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
+    # A llama.cpp stage: Sparkplug is the agent's, not the engine's, and it starts without
+    # importing torch.
+    plant, group = with_sparkplug(plant_for(tiny_llama_gguf, mosquitto_broker, [(0, 6)],
+                                            weights="gguf", kv_budget_mb=PROCESS_KV_BUDGET_MB))
     path = tmp_path / "plant.yaml"
     write_plant(plant, path)
     stop = asyncio.Event()

@@ -38,6 +38,9 @@ RENDERED = [ChatMessage(role="system", content=ALARM.system or ""),
                         "guard closed: true). What should the operator check first?")]
 # Long enough that a cancel sent once the first delta arrives lands mid-generation.
 LONG_TOKENS = 400
+# The request that a stale cancel must leave alone: it decodes every token, so fewer than
+# LONG_TOKENS, still many times the few milliseconds a cancel takes to arrive.
+FOLLOWING_TOKENS = 96
 
 
 def with_tasks(plant: Plant) -> Plant:
@@ -132,14 +135,14 @@ async def test_a_cancel_ends_the_request_and_frees_its_kv_caches(
         # A cancel for a request no longer in flight changes nothing, not even for the
         # gateway's request in flight now: it lands while "next" streams.
         streaming.clear()
-        following = GenerateRequest(id="next", prompt="hi", max_tokens=LONG_TOKENS,
+        following = GenerateRequest(id="next", prompt="hi", max_tokens=FOLLOWING_TOKENS,
                                     ignore_eos=True, stream=True)
         asking = asyncio.create_task(ask(plant, following, client_id=gateway,
                                          on_delta=lambda _: streaming.set()))
         await asyncio.wait_for(streaming.wait(), 30)
         await cancel(plant, gateway, "long")
         after = await asyncio.wait_for(asking, 60)
-        assert after.error is None and len(after.tokens) == LONG_TOKENS, after.error
+        assert after.error is None and len(after.tokens) == FOLLOWING_TOKENS, after.error
 
 
 async def cancel(plant: Plant, gateway: str, request_id: str) -> None:
