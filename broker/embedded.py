@@ -111,7 +111,22 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
       once it has subscribed to everything (`BusClient.run`): each waited for the
       other until amqtt's 5 s PUBACK timeout, so every plant on this broker started
       5 s late (its coordinator subscribing to the stages' retained statuses).
+      The same for what a persistent session kept while its client was away: amqtt
+      awaited those PUBACKs before it read the returning client's SUBSCRIBE, so a
+      restarted coordinator came back online 5 s late (the stages' answers to its
+      previous process wait in its session).
     """
+
+    async def _publish_session_retained_messages(self, session: Session) -> None:
+        # amqtt 0.12.1's sends (its flags too), not awaited: each PUBLISH leaves in its
+        # task, all queued here, in order, ahead of anything broadcast after this CONNECT.
+        handler = self._get_handler(session)
+        while handler is not None and not session.retained_messages.empty():
+            held = session.retained_messages.get_nowait()
+            sending = asyncio.ensure_future(
+                handler.mqtt_publish(held.topic, held.data, held.qos, retain=True))
+            self._retained_sends.add(sending)
+            sending.add_done_callback(self._retained_sent)
 
     async def _publish_retained_messages_for_subscription(
             self, subscription: tuple[str, int], session: Session) -> None:

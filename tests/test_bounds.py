@@ -5,8 +5,10 @@ memory is its own: the kernel's high-water mark (VmHWM, reset through
 /proc/PID/clear_refs) says the most it ever held. Valid requests run at the
 same time and must stay token-exact; every frame the stage cannot take is
 accounted for by an ERROR frame to the coordinator. The model is the tiny
-random Llama: the bounds under test follow from the plant's numbers, whatever
-the model, and its stages load and answer in a fraction of SmolLM2's time.
+random Llama's GGUF on llama.cpp stages: the bounds under test follow from the
+plant's numbers and the stage agent's inbox, whatever the model and engine, and
+a llama.cpp agent of it starts in a fraction of a torch agent's time (which
+spends 6 s of CPU importing torch).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import paho.mqtt.client as paho
 import pytest
 import torch
 from brokers import MosquittoBroker
+from gguf_models import with_kv_budget
 from paho.mqtt.enums import CallbackAPIVersion
 from plant_gateway import AgentProcesses, Gateway, assert_exact, gateway, requests, send
 from test_frames import lz4_bomb
@@ -35,15 +38,22 @@ from edgebus.core.client import MAX_QUEUED_OUT_BYTES, QUEUED_MESSAGE_BYTES, BusC
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.frames import Header, Kind
 from node_agent.cancel import cancel_all
-from node_agent.kv_cache import kv_bytes_per_token
+from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
+from node_agent.model_config import kv_bytes_per_token
 from node_agent.stage_inbox import waiting_limit
 from plant_config import Plant, make_plant, write_plant
 
 # The smallest KV budget, so the bounds it implies are small and a bomb or flood
 # past them shows plainly in the stage's memory. The tiny model's KV takes
-# 768 bytes a position per stage, so 1 MiB bounds stage 0's waiting frames at
-# 2.7 MiB (SmolLM2's 16 MiB bounded them at 1.4 MiB).
+# 384 bytes a position per llama.cpp stage (f16), so 1 MiB bounds stage 0's waiting
+# frames at 5.4 MiB (SmolLM2's 16 MiB bounded them at 1.4 MiB).
 KV_BUDGET_MB = 1
+# A request's longest length (prompt plus max_tokens): llama.cpp reserves every
+# request's share of it at load, and 1 MiB holds no request of the default 5,120
+# positions (1.9 MiB each). 256 positions (96 KiB) give each stage 10 sequences, room
+# for the 6 requests of a test (prompts of 20 tokens or fewer) at once.
+MAX_PROMPT_TOKENS = 192
+MAX_TOKENS_LIMIT = 64
 # Prompt chunks of 1152 positions: with the tiny model's 64-wide activations, a
 # stage's largest legal frame is then SmolLM2's at its default 128 (576 wide),
 # 288 KiB, and its largest message 18 MiB. The issue's 4 MiB bomb fits in that,
@@ -51,14 +61,17 @@ KV_BUDGET_MB = 1
 # default chunk, the message's size alone would refuse it.
 PREFILL_CHUNK = 1152
 # What a stage's forward passes and the allocator's slack may add beyond its
-# KV budget and its waiting bound, measured 15-18 MiB for these requests with
-# the tiny model (20-40 MiB with SmolLM2).
+# KV budget and its waiting bound, measured 5-20 MiB for these requests on the
+# tiny model's llama.cpp stages (15-18 MiB on its torch stages, 20-40 with SmolLM2).
 COMPUTE_SLACK = 96 * 2**20
 TOKENS = 12
 WAIT_S = 600.0
-# Frames per flood message, and messages: far past any bound of the stage.
+# Frames per flood message, and messages: 19,200 frames, 3.75 times what stage 0's
+# bound takes in (5,120: it refuses the rest, 14,080, as fast as they come). The
+# stage, the coordinator and the counting client spend CPU on every frame: five
+# times as many took 5 s more of it, and refused only more of the same.
 FLOOD_FRAMES = 64
-FLOOD_MESSAGES = 1500
+FLOOD_MESSAGES = 300
 # QoS 1 publishes in flight at once: past Mosquitto's queue per client (1000)
 # the broker itself would drop messages, and those could not be accounted for.
 FLOOD_WINDOW = 100
@@ -75,10 +88,11 @@ RESULT_LIMITS = frames.coordinator_limits(vocab=49152, max_in_flight=64, stages=
 
 
 def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path) -> tuple[Path, Plant]:
-    plant = make_plant(model, stages=2, broker=broker.url, plant_id="bounds")
-    plant = plant.model_copy(update={
-        "stages": [s.model_copy(update={"kv_budget_mb": KV_BUDGET_MB}) for s in plant.stages],
-        "coordinator": plant.coordinator.model_copy(update={"prefill_chunk": PREFILL_CHUNK})})
+    plant = with_kv_budget(make_plant(model, stages=2, broker=broker.url, plant_id="bounds",
+                                      weights="gguf"), KV_BUDGET_MB)
+    plant = plant.model_copy(update={"coordinator": plant.coordinator.model_copy(update={
+        "prefill_chunk": PREFILL_CHUNK, "max_prompt_tokens": MAX_PROMPT_TOKENS,
+        "max_tokens_limit": MAX_TOKENS_LIMIT})})
     path = workdir / "plant.yaml"
     write_plant(plant, path)
     return path, plant
@@ -94,16 +108,16 @@ class BoundedPlant:
 
 
 @pytest.fixture(scope="module")
-def bounded(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+def bounded(tiny_llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[BoundedPlant]:
-    """One plant for the module (its agents' start, importing torch, was most of each test's
-    time): each test targets a stage of its own, and leaves it with nothing waiting."""
+    """One plant for the module (its agents' start was most of each test's time): each test
+    targets a stage of its own, and leaves it with nothing waiting."""
     workdir = tmp_path_factory.mktemp("bounds")
     broker = MosquittoBroker(workdir / "mosquitto")
     with broker.conf_path.open("a") as conf:
         conf.write(ROOMY_QUEUE)
     with broker:
-        path, plant = write_plant_file(tiny_llama, broker, workdir)
+        path, plant = write_plant_file(tiny_llama_gguf, broker, workdir)
         with AgentProcesses(path, workdir) as agents:
             for stage in plant.stages:
                 agents.start_stage(stage.node)
@@ -129,7 +143,7 @@ def budget(plant: Plant, node: str) -> int:
     config = AutoConfig.from_pretrained(plant.model)
     first = plant.stage_index(node) == 0
     waiting = waiting_limit(plant, node, config.hidden_size,
-                            kv_bytes_per_token(config, spec.layers), first)
+                            kv_bytes_per_token(config, spec.layers, KV_ITEM_BYTES), first)
     return spec.kv_budget_mb * 2**20 + waiting + COMPUTE_SLACK
 
 

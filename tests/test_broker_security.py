@@ -34,6 +34,7 @@ import trustme
 import yaml
 from brokers import AmqttBroker, BrokerHandle, MosquittoBroker
 from certs import broker_tls
+from gguf_models import PROCESS_KV_BUDGET_MB
 from pipeline import plant_reference, reference_tokens, running
 
 from broker.acl import client_id_owner
@@ -618,12 +619,15 @@ def edgebus(*args: str) -> subprocess.CompletedProcess[str]:
 def init_plant(tmp_path: Path, model: Path, *extra: str, name: str = "plant.yaml",
                stages: int = 2, **broker: object) -> Path:
     """`edgebus init` (2 stages), then the embedded broker moved off 1883 (where a Mosquitto
-    or another test may listen) to a free loopback port, with `broker` fields added."""
+    or another test may listen) to a free loopback port, with `broker` fields added, and
+    the stages' KV budgets cut to what a test's requests need (gguf_models.with_kv_budget)."""
     path = tmp_path / name
     done = edgebus("init", str(path), "--model", str(model), "--stages", str(stages), *extra)
     assert done.returncode == 0, done.stderr
     data = yaml.safe_load(path.read_text())
     data["broker"].update({"port": free_port(LOOPBACK), **broker})
+    for stage in data["stages"]:
+        stage["kv_budget_mb"] = PROCESS_KV_BUDGET_MB
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 

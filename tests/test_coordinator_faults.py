@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from brokers import AmqttBroker, BrokerHandle, MosquittoBroker
+from gguf_models import with_kv_budget
 from plant_gateway import (
     AgentProcesses,
     Gateway,
@@ -55,8 +56,9 @@ REFUSED_S = 120.0
 def write_plant_file(model: Path, broker: BrokerHandle, workdir: Path, plant_id: str, *,
                      instances: tuple[str, ...] = (),
                      security: Security | None = None) -> tuple[Path, Plant]:
-    plant = make_plant(model, stages=2, broker=f"mqtt://{broker.host}:{broker.port}",
-                       plant_id=plant_id, weights="gguf")
+    plant = with_kv_budget(make_plant(model, stages=2,
+                                      broker=f"mqtt://{broker.host}:{broker.port}",
+                                      plant_id=plant_id, weights="gguf"))
     plant = plant.model_copy(update={
         "liveness": LIVENESS,
         "broker": plant.broker.model_copy(update={"protocol": "5" if broker.mqtt5 else "3.1.1"}),

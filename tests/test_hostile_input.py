@@ -368,16 +368,20 @@ async def test_kv_budgets_refuse_with_a_reason(tiny_llama: Path,
     assert "KV budget of node stage-0 is full" in seen["stage"]
 
 
-# How often the stages of the eviction test sweep (the product's 5 s: "once in a while"): the
-# test waits a sweep out, and a cache is abandoned after the coordinator's 1 s anyway.
-TEST_SWEEP_INTERVAL_S = 1.0
+# How often the stages of the eviction test sweep (the product's 5 s: "once in a while"), and
+# how long its coordinator waits for a step, after which a cache is abandoned: the test
+# waits both out (a sleep for time to pass, not for an event), so they are short. No sweep
+# runs without work, and the second request's is the only work after the first's.
+TEST_SWEEP_INTERVAL_S = 0.25
+TEST_REQUEST_TIMEOUT_S = 0.25
 
 
 async def test_caches_of_abandoned_requests_are_evicted(
         tiny_llama: Path, mosquitto_broker: BrokerHandle,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # A coordinator that gives up on a step after 1 s: a cache idle longer is abandoned.
-    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)], request_timeout_s=1.0)
+    # A coordinator that gives up on a step soon: a cache idle longer is abandoned.
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)],
+                      request_timeout_s=TEST_REQUEST_TIMEOUT_S)
     monkeypatch.setattr(stage_module, "SWEEP_INTERVAL_S", TEST_SWEEP_INTERVAL_S)
     root = plant.topic_root
 

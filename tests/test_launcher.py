@@ -26,7 +26,7 @@ import aiomqtt
 import pytest
 import yaml
 from brokers import BrokerHandle, free_port
-from gguf_models import with_kv_budget
+from gguf_models import PROCESS_KV_BUDGET_MB, with_kv_budget
 from pipeline import plant_reference
 
 from edgebus.core.errors import EdgebusError
@@ -300,9 +300,12 @@ def edgebus_cli(*args: str) -> str:
 
 def on_a_free_port(plant_path: Path) -> Plant:
     """The plant file as `edgebus init` wrote it, its embedded broker moved off 1883 (where a
-    Mosquitto, or another test, may listen) to a free loopback port."""
+    Mosquitto, or another test, may listen) to a free loopback port, and its stages' KV
+    budgets cut to what the tiny model's requests here need (gguf_models.with_kv_budget)."""
     data = yaml.safe_load(plant_path.read_text())
     data["broker"]["port"] = free_port()
+    for stage in data["stages"]:
+        stage["kv_budget_mb"] = PROCESS_KV_BUDGET_MB
     plant_path.write_text(yaml.safe_dump(data, sort_keys=False))
     return load_plant(plant_path)
 
