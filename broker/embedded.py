@@ -118,13 +118,17 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
     """
 
     async def _publish_session_retained_messages(self, session: Session) -> None:
-        # amqtt 0.12.1's sends (its flags too), not awaited: each PUBLISH leaves in its
-        # task, all queued here, in order, ahead of anything broadcast after this CONNECT.
+        # amqtt 0.12.1's sends, not awaited: each PUBLISH leaves in its task, all queued here,
+        # in order, ahead of anything broadcast after this CONNECT. Its RETAIN flag is 0, not
+        # amqtt's 1: these matched an established subscription while the client was away, and
+        # MQTT (3.1.1 section 3.3.1.3) sets RETAIN only for what a new subscription is sent.
+        # With amqtt's 1, a request sent while the coordinator was down reached the restarted
+        # coordinator as retained, and it refused it ("retained").
         handler = self._get_handler(session)
         while handler is not None and not session.retained_messages.empty():
             held = session.retained_messages.get_nowait()
             sending = asyncio.ensure_future(
-                handler.mqtt_publish(held.topic, held.data, held.qos, retain=True))
+                handler.mqtt_publish(held.topic, held.data, held.qos, retain=False))
             self._retained_sends.add(sending)
             sending.add_done_callback(self._retained_sent)
 

@@ -25,7 +25,7 @@ from signal import SIGKILL
 
 import plant_gateway
 import pytest
-from brokers import MosquittoBroker
+from brokers import BrokerHandle, MosquittoBroker
 from gguf_models import with_kv_budget
 from plant_gateway import (
     AgentProcesses,
@@ -64,12 +64,13 @@ def requests(tokens: int = TOKENS) -> list[GenerateRequest]:
     return plant_gateway.requests(tokens)
 
 
-def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path, *,
+def write_plant_file(model: Path, broker: BrokerHandle, workdir: Path, *,
                      replicas: int, liveness: Liveness = LIVENESS) -> tuple[Path, Plant]:
-    plant = with_kv_budget(make_plant(model, stages=2, broker=broker.url, plant_id="failover",
-                                      replicas=replicas, weights="gguf"))
+    plant = with_kv_budget(make_plant(model, stages=2, broker=f"mqtt://{broker.host}:{broker.port}",
+                                      plant_id="failover", replicas=replicas, weights="gguf"))
     plant = plant.model_copy(update={
         "liveness": liveness,
+        "broker": plant.broker.model_copy(update={"protocol": "5" if broker.mqtt5 else "3.1.1"}),
         "coordinator": plant.coordinator.model_copy(
             update={"request_timeout_s": STEP_TIMEOUT_S})})
     path = workdir / "plant.yaml"
@@ -203,29 +204,33 @@ async def test_a_broker_restart_or_crash_mid_generation_loses_no_request(
     assert_exact(plant, gw, batch + down)
 
 
+@pytest.mark.parametrize("kind", ["mosquitto", "amqtt"])
 async def test_a_request_sent_while_the_coordinator_is_down_is_answered(
-        tiny_llama_gguf: Path, make_mosquitto: Callable[..., MosquittoBroker],
+        tiny_llama_gguf: Path, kind: str, request: pytest.FixtureRequest,
         tmp_path: Path) -> None:
-    broker = make_mosquitto(persistence=True)
+    """The request waits in the coordinator's session; on Mosquitto the broker restarts too,
+    and its persistence keeps it (amqtt keeps sessions in memory only)."""
+    broker: BrokerHandle = (request.getfixturevalue("make_mosquitto")(persistence=True)
+                            if kind == "mosquitto" else request.getfixturevalue("amqtt_broker"))
     path, plant = write_plant_file(tiny_llama_gguf, broker, tmp_path, replicas=1)
-    request = requests(tokens=8)[0]
+    sent = requests(tokens=8)[0]
     async with plant_running(path, tmp_path / "logs") as processes:
         coordinator = processes.pids[plant.coordinator.id]
         os.kill(coordinator, signal.SIGTERM)
         async with gateway(plant) as (gw, bus):
             await gw.until(lambda: any(s.agent_id == plant.coordinator.id
                                        and s.state == "offline" for _, s in gw.statuses), 30)
-            await send(bus, plant, [request])
-        # The broker restarts too, while the request waits: persistence keeps it.
-        broker.stop()
-        broker.start()
+            await send(bus, plant, [sent])
+        if kind == "mosquitto":
+            broker.stop()
+            broker.start()
         async with gateway(plant) as (gw, bus):
             restarted = subprocess.Popen(
                 [sys.executable, "-m", "edgebus", "coordinator", str(path)],
                 stdout=(tmp_path / "coordinator-2.log").open("wb"), stderr=subprocess.STDOUT)
             try:
-                await gw.until(lambda: request.id in gw.responses, 90)
+                await gw.until(lambda: sent.id in gw.responses, 90)
             finally:
                 restarted.terminate()
                 restarted.wait(30)
-    assert_exact(plant, gw, [request])
+    assert_exact(plant, gw, [sent])
