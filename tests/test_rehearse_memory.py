@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 import optional
@@ -21,6 +22,7 @@ from edgebus.rehearse import Options, Rehearsal, one_box_variant
 from edgebus.rehearse.fit import check_boxes
 from edgebus.rehearse.rehearsal import missing
 from edgebus.rehearse.workload import Client, wait_online
+from node_agent import gguf_profile
 from node_agent.costs import model_costs
 from plant_config import BrokerSettings, Plant, StageSpec, make_plant, write_plant
 from plant_config.schema import BoxSpec
@@ -30,6 +32,22 @@ SMALL_BOX_MB = 256
 ROOMY_MB = 1024
 # Less than a Python importing torch holds (~300 MiB): a torch stage cannot start in it.
 TINY_MB = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quick_profile(edgebus_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """SmolLM2's llama.cpp profile in one timed round and no warm-up, kept in a profiles
+    directory of this module's own: these tests need its sizes, not steady times, and the
+    machine's cache keeps the full profile (on a fresh machine the full one took 10 s)."""
+    home = tmp_path_factory.mktemp("quick-profile-home")
+    for entry in edgebus_home.iterdir():
+        if entry.name != "profiles":
+            (home / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGEBUS_HOME", str(home))
+        patch.setattr(gguf_profile, "WARMUP_ROUNDS", 0)
+        patch.setattr(gguf_profile.measure, "__kwdefaults__", {"rounds": 1})
+        yield
 
 
 def gguf_plant(tmp_path: Path, memory_mb: int) -> Path:
