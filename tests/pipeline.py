@@ -127,7 +127,8 @@ async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
     # A GGUF model's coordinator reads the file's own tokenizer (node_agent/gguf_tokenizer.py).
     coordinator = Coordinator(plant, tokenizer=None if is_gguf(plant.model)
                               else tokenizer(plant.model))
-    tasks = [asyncio.create_task(agent.serve(stop)) for agent in [*stages, coordinator]]
+    agents: list[StageAgent | Coordinator] = [*stages, coordinator]
+    tasks = [asyncio.create_task(agent.serve(stop)) for agent in agents]
     try:
         await asyncio.wait_for(coordinator._ready.wait(), READY_TIMEOUT_S)
         yield stages
