@@ -71,27 +71,28 @@ TINY_SPLITS_CHECKED = {"3-stages": TINY_SPLITS["3-stages-uneven"],
 # SmolLM2's tokens a request: a token costs the whole model (0.2 s in onnxruntime fp32 on
 # the EPYC), and the reference decodes each request alone; a few show the split exact.
 SMOLLM2_TOKENS = 8
-# SmolLM2's requests: the chat and the short prompt, batched. The long prompt's prefill in
-# chunks (300 positions, twice: the plant and the reference) is the tiny Llama's to show,
-# through every engine and mode (test_every_split_answers_what_one_process_answers).
+# SmolLM2's requests: the chat and the short prompt, sent together. The long prompt's
+# prefill in chunks (300 positions, twice: the plant and the reference) and the batching of
+# requests are the tiny Llama's to show, through every engine and mode
+# (test_every_split_answers_what_one_process_answers): two short SmolLM2 requests share a
+# pass only if the second's gateway is in before the first's 8 tokens are out, and in one
+# run of a fresh machine it was not.
 SMOLLM2_REQUESTS = ("chat", "short")
 
 
 async def test_smollm2_through_three_onnxruntime_stages_answers_what_one_process_answers(
         smollm2_dir: Path, amqtt_broker: BrokerHandle) -> None:
-    """The real model through the onnxruntime engine, split, batched: exact against itself."""
+    """The real model through the onnxruntime engine, split: exact against itself."""
     reqs = [r.model_copy(update={"max_tokens": SMOLLM2_TOKENS}) for r in requests()
             if r.id in SMOLLM2_REQUESTS]
     assert len(reqs) == len(SMOLLM2_REQUESTS)
     plant = plant_for(smollm2_dir, amqtt_broker, SMOLLM2_SPLIT, weights="fp32",
                       engine="onnxruntime")
-    async with running(plant) as stages:
+    async with running(plant):
         responses = await ask_all(plant, reqs)
     for r, response in zip(reqs, responses, strict=True):
         assert response.error is None, response.error
         assert response.tokens == engine_tokens(smollm2_dir, r, "onnxruntime", "fp32"), r.id
-    # The requests were in flight together: some pass carried more than one row.
-    assert stages[-1].metrics["rows"] > stages[-1].metrics["steps"]
 
 
 def test_onnx_fp32_computes_what_torch_computes(smollm2_dir: Path) -> None:
