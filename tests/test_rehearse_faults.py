@@ -230,6 +230,15 @@ async def failovers(rehearsal: Rehearsal, client: Client) -> float:
     return client.observer.metric(coordinator, "failovers")
 
 
+async def cut_off(rehearsal: Rehearsal, box: str) -> None:
+    """`box`'s cable out for CUT_S, then back in."""
+    rehearsal.set_link(box, up=False)
+    try:
+        await asyncio.sleep(CUT_S)  # the fault's length, not a wait for anything
+    finally:
+        rehearsal.set_link(box, up=True)
+
+
 class TestCableCuts:
     """llama.cpp stages: the answers are llama.cpp's for the GGUF whole."""
 
@@ -259,11 +268,7 @@ class TestCableCuts:
     async def test_the_broker_box_cut_off_past_the_liveness_timeout_loses_no_request(
             self, rehearsal: Rehearsal, whole_answers: Answers) -> None:
         client, requests = await generating(rehearsal, "broker-", TOKENS)
-        rehearsal.set_link(STANDBY, up=False)
-        try:
-            await asyncio.sleep(CUT_S)  # the fault's length, not a wait for anything
-        finally:
-            rehearsal.set_link(STANDBY, up=True)
+        await cut_off(rehearsal, STANDBY)
         await client.until_answered(requests, ANSWER_S)
         assert_exact(whole_answers, client, requests)
         await back_online(rehearsal, client)
@@ -275,11 +280,7 @@ class TestCableCuts:
         client, requests = await generating(rehearsal, "coordinator-", TOKENS)
         cut = time.monotonic()
         open_ = [r for r in requests if r.id not in client.observer.responses]
-        rehearsal.set_link(HEAD, up=False)
-        try:
-            await asyncio.sleep(CUT_S)  # the fault's length, not a wait for anything
-        finally:
-            rehearsal.set_link(HEAD, up=True)
+        await cut_off(rehearsal, HEAD)
         await client.until_answered(requests, ANSWER_S)
         assert_exact(whole_answers, client, requests)
         # Those open at the cut were answered after the cable was back: the cut did stall them.
