@@ -29,7 +29,7 @@ from brokers import (
     MosquittoBroker,
     mosquitto_binary,
 )
-from gguf_models import Tensor, tensors, tiny_gguf
+from gguf_models import Tensor, TinyGguf, tensors, tiny_ggufs
 from tiny_models import build_tiny
 
 from edgebus.model_import import bundled_gguf, default_model_dir, ensure_demo_model
@@ -179,27 +179,34 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """The tiny Llama with its GGUF beside it, for tests of faults rather than of an engine:
-    a `weights: gguf` agent of it starts in 0.9 s of CPU, where a torch agent spends 6 s
-    importing torch and transformers, and fault tests start dozens of agents."""
-    return tiny_gguf("llama", tmp_path_factory.mktemp("llama-gguf"), smollm2_dir)
+def converted_ggufs(tmp_path_factory: pytest.TempPathFactory,
+                    smollm2_dir: Path) -> dict[str, Path]:
+    """The tiny models with their GGUFs beside them, by name: every one the suite converts,
+    made together the first time a test asks for one, in one run of llama.cpp's converter
+    (gguf_models.tiny_ggufs: 3.5 of a conversion's 5 CPU-seconds are its imports)."""
+    root = tmp_path_factory.mktemp("tiny-ggufs")
+    wanted = {"llama": TinyGguf("llama", root / "llama"),
+              "qwen2": TinyGguf("qwen2", root / "qwen2"),
+              "deepseek_v3": TinyGguf("deepseek_v3", root / "deepseek_v3"),
+              "drafting": TinyGguf("llama", root / "drafting-llama", seed=DRAFTING_SEED,
+                                   initializer_range=DRAFTING_INIT_RANGE)}
+    tiny_ggufs(list(wanted.values()), smollm2_dir, log=root / "convert.log")
+    return {name: tiny.dest for name, tiny in wanted.items()}
 
 
 @pytest.fixture(scope="session")
-def tiny_family_gguf(tmp_path_factory: pytest.TempPathFactory,
-                     smollm2_dir: Path) -> Callable[[str], Path]:
+def tiny_llama_gguf(converted_ggufs: dict[str, Path]) -> Path:
+    """The tiny Llama with its GGUF beside it, for tests of faults rather than of an engine:
+    a `weights: gguf` agent of it starts in 0.9 s of CPU, where a torch agent spends 6 s
+    importing torch and transformers, and fault tests start dozens of agents."""
+    return converted_ggufs["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_family_gguf(converted_ggufs: dict[str, Path]) -> Callable[[str], Path]:
     """`tiny_family_gguf("qwen2")`: that tiny random family with its GGUF beside it
-    (gguf_models.tiny_gguf), converted once a run for every test that reads or runs it."""
-    made: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = tiny_gguf(family, tmp_path_factory.mktemp(f"{family}-gguf"),
-                                     smollm2_dir)
-        return made[family]
-
-    return get
+    (converted_ggufs: "qwen2", "deepseek_v3")."""
+    return converted_ggufs.__getitem__
 
 
 @pytest.fixture(scope="session")
@@ -209,9 +216,8 @@ def deepseek_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) ->
 
 
 @pytest.fixture(scope="session")
-def drafting_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+def drafting_llama(converted_ggufs: dict[str, Path]) -> Path:
     """The tiny Llama whose answers repeat phrases of their own (DRAFTING_INIT_RANGE), its
     fp32 checkpoint and its GGUF (F16) side by side: pipelined speculation's drafts on a
     tiny model (test_speculation.py, and the bench's speculation phase in test_bench.py)."""
-    return tiny_gguf("llama", tmp_path_factory.mktemp("drafting-llama"), smollm2_dir,
-                     seed=DRAFTING_SEED, initializer_range=DRAFTING_INIT_RANGE)
+    return converted_ggufs["drafting"]

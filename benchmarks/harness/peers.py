@@ -938,24 +938,24 @@ def llama_source(home: Path | None = None, out: TextIO = sys.stdout) -> Path:
 CONVERTER = Path(__file__).with_name("converter.py")
 
 
-def convert_hf(source: Path, model_dir: Path, target: Path, *, log: Path,
+def convert_hf(source: Path, conversions: Sequence[tuple[Path, Path]], *, log: Path,
                outtype: str = "f16", pre_tokenizer: str | None = None) -> None:
-    """`model_dir` (an HF directory) written to `target` as a GGUF of `outtype` by llama.cpp's
-    convert_hf_to_gguf.py from `source`. `pre_tokenizer` names the pre-tokenizer for a
-    tokenizer the converter does not recognise by its hash (a test model borrowing
-    another's tokenizer); llama.cpp tokenizes nothing in a stage, so it only has to load."""
+    """Each (model_dir, target) of `conversions`: `model_dir` (an HF directory) written to
+    `target` as a GGUF of `outtype` by llama.cpp's convert_hf_to_gguf.py from `source`, all
+    in one child process. `pre_tokenizer` names the pre-tokenizer for a tokenizer the
+    converter does not recognise by its hash (a test model borrowing another's tokenizer);
+    llama.cpp tokenizes nothing in a stage, so it only has to load."""
     pin = ["--pre-tokenizer", pre_tokenizer] if pre_tokenizer else []
-    _atomic_output(target, lambda tmp: _run(
-        [sys.executable, str(CONVERTER), *pin, str(source), "--",
-         str(model_dir), "--outtype", outtype, "--outfile", str(tmp)], log,
-        what=f"converting {model_dir} to GGUF (convert_hf_to_gguf.py)"))
-
-
-def _atomic_output(target: Path, make: Callable[[Path], None]) -> None:
-    """`make` writes a temporary file beside `target`, which is renamed to it once complete."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    partial = [target.with_name(f".{target.name}.{os.getpid()}.partial")
+               for _, target in conversions]
+    jobs = [arg for (model_dir, _), tmp in zip(conversions, partial, strict=True)
+            for arg in ("--", str(model_dir), "--outtype", outtype, "--outfile", str(tmp))]
     try:
-        make(tmp)
-        os.rename(tmp, target)
+        _run([sys.executable, str(CONVERTER), *pin, str(source), *jobs], log,
+             what=f"converting {', '.join(str(d) for d, _ in conversions)} to GGUF "
+                  "(convert_hf_to_gguf.py)")
+        for tmp, (_, target) in zip(partial, conversions, strict=True):
+            os.rename(tmp, target)
     finally:
-        tmp.unlink(missing_ok=True)
+        for tmp in partial:
+            tmp.unlink(missing_ok=True)
