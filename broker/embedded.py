@@ -29,7 +29,12 @@ from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
 from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin
-from amqtt.session import Session
+from amqtt.session import (
+    OUTGOING,
+    IncomingApplicationMessage,
+    OutgoingApplicationMessage,
+    Session,
+)
 from amqtt.utils import gen_client_id
 
 from broker.exposure import refuse_open_listener
@@ -70,6 +75,37 @@ _PLUGINS: dict[str, dict[str, object]] = {f"{__name__}.{AllowAllAuthPlugin.__nam
 # Used only when the caller has not configured logging: timestamps, because
 # the output usually ends up in a journal read days later.
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _Handler(BrokerProtocolHandler):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
+    """amqtt's connection handler, keeping what a client left unacknowledged for its return
+    and re-sending it without holding up that client's next packets.
+
+    A persistent session gets again the QoS 1 messages its client left holding
+    unacknowledged (MQTT 3.1.1 section 4.4), as Mosquitto does. amqtt 0.12.1:
+    - dropped such a message when the client disconnected (its PUBACK wait cancelled),
+      so it was never sent again;
+    - awaited the re-sent messages' PUBACKs in `start`, before the broker read the client's
+      SUBSCRIBE, and an edgebus client acknowledges a message only once it has subscribed
+      to everything (`BusClient.run`): each waited for the other until amqtt's 5 s PUBACK
+      timeout. A coordinator that stopped holding a stage's answer came back 5 s late (seen
+      in the suite: one plant's coordinator after another's, on one broker).
+    """
+
+    async def _handle_qos1_message_flow(
+            self, app_message: OutgoingApplicationMessage | IncomingApplicationMessage) -> None:
+        try:
+            await super()._handle_qos1_message_flow(app_message)
+        except asyncio.CancelledError:
+            # `stop` cancels the PUBACK wait when the client goes; amqtt's own code has just
+            # forgotten the message. A clean session's is deleted with it.
+            if app_message.direction == OUTGOING and not self.session.clean_session:
+                self.session.inflight_out[app_message.packet_id] = app_message
+            raise
+
+    async def _retry_deliveries(self) -> None:
+        # Held here, or the task could be collected half-sent.
+        self.redelivering = asyncio.ensure_future(super()._retry_deliveries())
 
 
 class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
@@ -114,7 +150,8 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
       The same for what a persistent session kept while its client was away: amqtt
       awaited those PUBACKs before it read the returning client's SUBSCRIBE, so a
       restarted coordinator came back online 5 s late (the stages' answers to its
-      previous process wait in its session).
+      previous process wait in its session). And what its previous process left
+      unacknowledged is re-sent alike (`_Handler`).
     """
 
     async def _publish_session_retained_messages(self, session: Session) -> None:
@@ -164,7 +201,7 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
             remote_port: int) -> tuple[BrokerProtocolHandler, Session]:
         """amqtt 0.12.1's `_initialize_client_session`, refusing before the session table."""
         try:
-            handler, session = await BrokerProtocolHandler.init_from_connect(
+            handler, session = await _Handler.init_from_connect(
                 reader, writer, self.plugins_manager)
         except MQTTError:
             await writer.close()

@@ -75,6 +75,36 @@ async def test_persistent_session_gets_what_it_missed(broker: BrokerHandle) -> N
     assert msg.payload == KIB
 
 
+async def test_a_returning_client_subscribes_before_it_acknowledges_what_it_left(
+        broker: BrokerHandle, caplog: pytest.LogCaptureFixture) -> None:
+    """A persistent session's client that left holding a QoS 1 message unacknowledged gets
+    it again on its return, and its SUBSCRIBE is answered before it acknowledges it, as an
+    edgebus client does (`BusClient.run`): the broker's wait for that PUBACK must not hold
+    up the SUBSCRIBE (amqtt 0.12.1's did, until its 5 s timeout, then dropped the message
+    as unacknowledged)."""
+    def coordinator() -> aiomqtt.Client:
+        agent = aiomqtt.Client(broker.host, broker.port, identifier="coordinator-7",
+                               clean_session=False, socket_options=SOCKET_OPTIONS)
+        agent._client.manual_ack_set(True)  # the paho client under aiomqtt
+        return agent
+
+    async with coordinator() as first:
+        await first.subscribe("t/answers", qos=1)
+        async with client(broker) as stage:
+            await stage.publish("t/answers", KIB, qos=1)
+        await next_message(first)  # left unacknowledged
+    async with coordinator() as back:
+        await back.subscribe("t/requests", qos=1)
+        again = await next_message(back)
+        back._client.ack(again.mid, again.qos)
+        # The broker reads a connection's packets in order: once this comes back, it has
+        # read the PUBACK before it.
+        await back.publish("t/requests", SENTINEL, qos=1)
+        assert (await next_message(back)).payload == SENTINEL
+    assert again.payload == KIB
+    assert not [r for r in caplog.records if "Timeout waiting for PUBACK" in r.getMessage()]
+
+
 async def test_small_request_reply_is_not_delayed_by_nagle(broker: BrokerHandle) -> None:
     """A 1 KiB QoS 1 request and its reply, through the broker twice, stay far below 40 ms.
 
