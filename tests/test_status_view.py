@@ -27,7 +27,7 @@ from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.messages import AgentStatus, GenerateRequest
 from edgebus.core.topics import Topics
 from edgebus.status_view import ClusterView
-from node_agent.runtime import presence, publish_plan
+from node_agent.runtime import presence, publish_plan, serve_until
 from node_agent.status_payload import StatusPayload
 from plant_config import CoordinatorSpec, Liveness, write_plant
 
@@ -53,12 +53,21 @@ LIVENESS_TIMEOUT_S = 30.0
 MISSING_WAIT_S = "0.5"
 
 
+# MQTT's fixed header: the packet type in the first byte's high nibble (PUBACK: 4), then
+# the remaining length in up to four bytes of seven bits each.
+PUBACK_TYPE = 4
+LENGTH_BYTES_MAX = 4
+
+
 class CuttableProxy:
-    """A TCP proxy to the broker whose connections the test can drop without a DISCONNECT."""
+    """A TCP proxy to the broker whose connections the test can drop without a DISCONNECT,
+    and whose PUBACKs to the client wait while `pubacks` is clear (what follows them too)."""
 
     def __init__(self, host: str, port: int) -> None:
         self.target = (host, port)
         self.port = 0
+        self.pubacks = asyncio.Event()
+        self.pubacks.set()
         self._transports: list[asyncio.WriteTransport] = []
 
     @asynccontextmanager
@@ -78,7 +87,28 @@ class CuttableProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(*self.target)
         self._transports += [writer.transport, up_writer.transport]
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        await asyncio.gather(_pipe(reader, up_writer), self._to_client(up_reader, writer))
+
+    async def _to_client(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        """The broker's packets, one at a time, each PUBACK once `pubacks` is set."""
+        with suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                packet = await reader.readexactly(1)
+                length = shift = 0
+                for _ in range(LENGTH_BYTES_MAX):
+                    byte = (await reader.readexactly(1))[0]
+                    packet += bytes([byte])
+                    length |= (byte & 0x7F) << shift
+                    shift += 7
+                    if byte < 0x80:
+                        break
+                packet += await reader.readexactly(length)
+                if packet[0] >> 4 == PUBACK_TYPE:
+                    await self.pubacks.wait()
+                writer.write(packet)
+                await writer.drain()
+        writer.close()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -104,6 +134,40 @@ async def next_status(messages: AsyncIterator[aiomqtt.Message],
             if wanted(status):
                 return status
     raise AssertionError("the subscription ended")
+
+
+async def test_an_agent_stopped_before_its_birth_is_acknowledged_leaves_offline(
+        broker: BrokerHandle) -> None:
+    """A stop after the online status reached the broker, before its PUBACK reached the
+    agent, still leaves the retained status offline: the clean DISCONNECT sends no Will to
+    say so (`edgebus up` killed as its agents came online, on a loaded box)."""
+    topics = Topics(f"edgebus-test/{secrets.token_hex(4)}")
+    proxy = CuttableProxy(broker.host, broker.port)
+    proxy.pubacks.clear()  # the birth's PUBACK waits in the proxy
+    async with (proxy.serving(),
+                aiomqtt.Client(broker.host, broker.port,
+                               identifier=f"watch-{secrets.token_hex(4)}") as watcher):
+        await watcher.subscribe(topics.status("agent-x"), 1)
+        agent = BusClient(endpoint_via(broker, proxy.port), f"early-{secrets.token_hex(4)}",
+                          presence=presence(topics, "agent-x", "stage", stage=0, layers=(0, 3)))
+        stop = asyncio.Event()
+        # No heartbeat within the test: it would say online again.
+        runner = asyncio.create_task(serve_until(stop, agent, lambda message: None,
+                                                 heartbeat_s=LIVENESS_TIMEOUT_S))
+        await next_status(watcher.messages, lambda s: s.state == "online")
+        stop.set()
+        offline = asyncio.create_task(
+            next_status(watcher.messages, lambda s: s.state == "offline"))
+        # The agent says offline (and waits for its PUBACK too), or leaves without a word.
+        await asyncio.wait([offline, runner], return_when=asyncio.FIRST_COMPLETED)
+        proxy.pubacks.set()
+        await runner
+        offline.cancel()
+    async with aiomqtt.Client(broker.host, broker.port,
+                              identifier=f"late-{secrets.token_hex(4)}") as late:
+        await late.subscribe(topics.status("agent-x"), 1)
+        left = await next_status(late.messages, lambda s: True)  # the retained one
+    assert left.state == "offline"
 
 
 async def test_will_carries_its_births_bdseq_and_a_reconnect_starts_the_next(

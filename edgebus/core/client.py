@@ -154,6 +154,11 @@ class BusClient:
     queued_bytes: int = field(default=0, init=False)  # MAX_QUEUED_OUT_BYTES' count
     _queued: dict[int, int] = field(default_factory=dict, init=False)  # mid: bytes
     _client: aiomqtt.Client | None = field(default=None, init=False)
+    # The connection whose online status may have reached the broker: set just before that
+    # publish, where `_client` waits for its PUBACK. A stop in between must still say
+    # offline, or the retained status says online for good: a clean DISCONNECT sends no Will
+    # (`edgebus up` killed as its agents came online left one so, under load).
+    _announced: aiomqtt.Client | None = field(default=None, init=False)
     _delivering: tuple[aiomqtt.Message, Ack] | None = field(default=None, init=False)
     _holding: set[Ack] = field(default_factory=set, init=False)  # taken, not yet acknowledged
     _warned: float = field(default=-UNACKED_WARN_EVERY_S, init=False)  # monotonic
@@ -251,7 +256,7 @@ class BusClient:
                     finally:
                         self._connected.clear()
                         self._lost.set()
-                        self._client = None
+                        self._client = self._announced = None
                         # Void with their connection: the broker delivers them again.
                         self._holding.clear()
                 if not self.reconnect:
@@ -370,6 +375,7 @@ class BusClient:
         for topic, qos in self.subscriptions:
             await client.subscribe(topic, qos)
         if self.presence is not None:
+            self._announced = client
             await client.publish(self.presence.topic, self.presence.online(), qos=1, retain=True)
         self._client = client
         self._lost = asyncio.Event()
@@ -490,7 +496,7 @@ class BusClient:
 
     async def announce_offline(self) -> None:
         """Publish the retained offline status; call before a clean exit."""
-        client = self._client
+        client = self._client or self._announced
         if self.presence is None or client is None:
             return
         try:
