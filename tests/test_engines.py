@@ -158,6 +158,20 @@ def test_graphs_are_built_once_and_reused(tiny_llama: Path) -> None:
     assert {f.name: f.stat().st_mtime_ns for f in built[0].iterdir()} == before
 
 
+def test_a_stage_links_the_graphs_another_stage_built(tiny_llama: Path) -> None:
+    """A part's graph is its layers' alone, so stages of one checkpoint and mode share the
+    parts they both run (hard links), whichever was built first. That the shared graphs
+    compute the model is test_onnx_fp32_computes_what_torch_computes': SmolLM2's whole
+    model there links 30 of its 32 parts from the three stages built before it."""
+    load_engine(tiny_llama, 4, 6, engine="onnxruntime", weights="int8")
+    load_engine(tiny_llama, 3, 6, engine="onnxruntime", weights="int8")
+    (narrow,) = (tiny_llama / CACHE_DIR).glob("layers-4-6-int8-*")
+    (wide,) = (tiny_llama / CACHE_DIR).glob("layers-3-6-int8-*")
+    for part in ("mid-4-5.onnx", "exit-5-None.onnx", "head-None-None.onnx"):
+        assert (wide / part).stat().st_ino == (narrow / part).stat().st_ino, part
+    assert (wide / "entry-None-3.onnx").is_file() and (wide / "mid-3-4.onnx").is_file()
+
+
 @pytest.fixture(scope="module")
 def tiny_mistral(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """The tiny Mistral (window 8), no graphs cached: its first layer's two templates are
