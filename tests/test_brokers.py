@@ -214,6 +214,51 @@ async def test_last_will_is_published_when_a_client_dies(broker: BrokerHandle) -
     assert (retained.payload, retained.retain) == (b"offline", True)
 
 
+# A coordinator in miniature: takes a request it acknowledges only once journaled, and is
+# killed before that.
+_HOLDING_CLIENT = """
+import asyncio, sys
+import aiomqtt
+
+async def main():
+    host, port, topic = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    async with aiomqtt.Client(host, port, identifier="holding-agent",
+                              clean_session=False) as agent:
+        agent._client.manual_ack_set(True)
+        await agent.subscribe(topic, qos=1)
+        print("subscribed", flush=True)
+        async for _ in agent.messages:
+            print("got", flush=True)
+            await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_what_a_killed_client_left_unacknowledged_is_delivered_again(
+        broker: BrokerHandle) -> None:
+    """A request the coordinator was killed holding is not lost: its persistent session
+    gets it again on its return (stock amqtt 0.12.1 dropped it; docs/failover.md)."""
+    topic = "t/request/holding-agent"
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLDING_CLIENT, broker.host, str(broker.port), topic,
+        stdout=asyncio.subprocess.PIPE)
+    try:
+        for said in (b"subscribed\n", b"got\n"):
+            line = await asyncio.wait_for(child.stdout.readline(), CHILD_CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
+            assert line == said
+            if said == b"subscribed\n":
+                async with client(broker) as gateway:
+                    await gateway.publish(topic, KIB, qos=1)
+    finally:
+        child.kill()
+        await child.wait()
+    async with aiomqtt.Client(broker.host, broker.port, identifier="holding-agent",
+                              clean_session=False, socket_options=SOCKET_OPTIONS) as back:
+        again = await next_message(back)
+    assert again.payload == KIB
+
+
 async def test_no_last_will_on_clean_disconnect(broker: BrokerHandle) -> None:
     topic = "t/status/leaving-agent"
     async with client(broker) as watcher:
