@@ -59,7 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # package. Set before test modules import transformers, because
     # huggingface_hub reads the variable once, at import.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # The suite starts ~130 Python processes (agents, `edgebus up`, `init`, `status`),
+    # The suite starts ~180 Python processes (agents, `edgebus up`, `init`, `status`),
     # each importing the project's own modules. Where PYTHONDONTWRITEBYTECODE is set (the
     # machines this suite is timed on set it), each compiled them from source again: a
     # tiny plant's `edgebus up` took 2.8 CPU-seconds with their bytecode cached, 3.0
