@@ -100,6 +100,9 @@ def release_models() -> None:
     _reference_model.cache_clear()
     _gguf_tokenizer.cache_clear()
     gc.collect()
+    # What outlives a module is the run's (the modules its tests imported, session fixtures):
+    # out of the collector's walk from now on, as what collection imported (conftest.py).
+    gc.freeze()
     return_freed_memory()
 
 
