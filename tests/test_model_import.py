@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import gguf_models
 import numpy as np
 import pytest
 import torch
@@ -447,11 +448,10 @@ SHIPPED_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
 @pytest.mark.slow
 def test_imported_smollm2_holds_the_shipped_files_values(smollm2_dir: Path) -> None:
     """gguf-py's own reading of the shipped file, not transformers' (which the import ran)."""
-    stored = {t.name: t for t in gguf.GGUFReader(bundled_gguf()).tensors
-              if t.name in SHIPPED_TENSORS}
+    stored = gguf_models.tensors(bundled_gguf())
     with safe_open(str(smollm2_dir / WEIGHTS_FILE), framework="pt") as weights:
         for name, hf_name in SHIPPED_TENSORS.items():
-            expected = gguf.quants.dequantize(stored[name].data, stored[name].tensor_type)
+            expected = stored[name].values(bundled_gguf())
             assert torch.equal(weights.get_tensor(hf_name),
                                torch.from_numpy(expected.astype(np.float32))), name
     assert {stored[n].tensor_type.name for n in SHIPPED_TENSORS} == {"Q8_0", "Q4_1", "F32"}
