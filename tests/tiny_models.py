@@ -94,6 +94,14 @@ def historyless_tokens(model_dir: Path, ids: list[int], max_new_tokens: int) -> 
     A model whose greedy output this does not change would answer the same with
     a broken KV cache, so a token-exact test on it proves little.
     """
+    return list(_historyless_tokens(model_dir, tuple(ids), max_new_tokens))
+
+
+# Once per model, prompt and length: a test of each split of a model asks for the same ones,
+# and each asking loaded the checkpoint again.
+@functools.cache
+def _historyless_tokens(model_dir: Path, ids: tuple[int, ...],
+                        max_new_tokens: int) -> tuple[int, ...]:
     optional.require_torch()
     import torch
     from transformers import AutoModelForCausalLM
@@ -105,6 +113,6 @@ def historyless_tokens(model_dir: Path, ids: list[int], max_new_tokens: int) -> 
         while True:
             out.append(int(logits.argmax()))
             if len(out) == max_new_tokens:
-                return out
+                return tuple(out)
             position = torch.tensor([[len(ids) + len(out) - 1]])
             logits = model(torch.tensor([out[-1:]]), position_ids=position).logits[0, -1]
