@@ -22,7 +22,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-from safetensors import safe_open
 
 # The llama.cpp architecture of each Hugging Face architecture the tests convert.
 ARCHITECTURES = {"LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
@@ -67,9 +66,12 @@ def _tensors(model_dir: Path, config: dict[str, Any],
     (once a layer's last one is read) and its kv_b_proj split into the key and value halves
     that MLA's absorption multiplies by."""
     experts: dict[str, np.ndarray] = {}
-    with safe_open(str(model_dir / "model.safetensors"), "np") as checkpoint:
-        for name in sorted(checkpoint.keys()):  # the converter's order (gguf-py's reading)
-            data: np.ndarray = checkpoint.get_tensor(name)
+    # gguf-py's reading, as the converter's: by name, and no safetensors package (conftest
+    # imports this module on a base install too).
+    with gguf.utility.SafetensorsLocal(model_dir / "model.safetensors") as checkpoint:
+        for name, tensor in checkpoint.items():
+            assert tensor.dtype == "F32", f"{name} is {tensor.dtype}: tiny_models saves fp32"
+            data = tensor.mmap_bytes().view(np.float32).reshape(tensor.shape)
             if arch == gguf.MODEL_ARCH.LLAMA and name.endswith("q_proj.weight"):
                 data = _unrotate(data, config["num_attention_heads"])
             elif arch == gguf.MODEL_ARCH.LLAMA and name.endswith("k_proj.weight"):
