@@ -199,16 +199,15 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
 @pytest.fixture(scope="session")
 def converted_ggufs(tmp_path_factory: pytest.TempPathFactory,
                     smollm2_dir: Path) -> dict[str, Path]:
-    """The tiny models with their GGUFs beside them, by name: every one the suite converts,
-    made together the first time a test asks for one, in one run of llama.cpp's converter
-    (gguf_models.tiny_ggufs: 3.5 of a conversion's 5 CPU-seconds are its imports)."""
+    """The tiny models with their GGUFs (F16) beside them, by name: every one the suite
+    converts, made together the first time a test asks for one (gguf_models.tiny_ggufs)."""
     root = tmp_path_factory.mktemp("tiny-ggufs")
     wanted = {"llama": TinyGguf("llama", root / "llama"),
               "qwen2": TinyGguf("qwen2", root / "qwen2"),
               "deepseek_v3": TinyGguf("deepseek_v3", root / "deepseek_v3"),
               "drafting": TinyGguf("llama", root / "drafting-llama", seed=DRAFTING_SEED,
                                    initializer_range=DRAFTING_INIT_RANGE)}
-    tiny_ggufs(list(wanted.values()), smollm2_dir, log=root / "convert.log")
+    tiny_ggufs(list(wanted.values()), smollm2_dir)
     return {name: tiny.dest for name, tiny in wanted.items()}
 
 

@@ -3,9 +3,8 @@
 `requantize` rewrites a GGUF (the tiny Llama's F16, SmolLM2's Q4_1) in another block type with
 gguf-py's own quantizers (the reference implementations of llama.cpp's), so the
 engine is tested on several types without llama.cpp's build tools.
-`tiny_ggufs` converts tiny random checkpoints (tiny_models.py)
-with llama.cpp's own converter, from the source vendored in the installed
-llama-cpp-python's sdist (downloaded once; nothing is compiled).
+`tiny_ggufs` writes tiny random checkpoints (tiny_models.py) as GGUF in the test process,
+the very files llama.cpp's own converter writes (hf_to_gguf.py).
 `tiny_random_gguf` writes a tiny model of a real model's family with
 tools/random_gguf.py (random quantized blocks, no checkpoint at all): the
 families the tool writes at real scale (deepseek2, qwen3moe), in seconds.
@@ -22,14 +21,15 @@ from types import ModuleType
 import gguf
 import numpy as np
 from dev_tools import dev_tool
+from hf_to_gguf import write_gguf
 from tiny_models import build_tiny
 
 from edgebus.core.paths import GGUF_FILE
-from harness.peers import convert_hf, llama_source
 from plant_config import Plant
 
-# The pre-tokenizer of SmolLM2's tokenizer, which the tiny models borrow: the converter
-# knows it by the hash of the Hub's copy, which an import through transformers changes.
+# The pre-tokenizer of SmolLM2's tokenizer, which the tiny models borrow: llama.cpp's
+# converter knows it by the hash of the Hub's copy, which an import through transformers
+# changes, and is told it.
 SMOLLM_PRE_TOKENIZER = "smollm"
 
 
@@ -44,15 +44,13 @@ class TinyGguf:
     initializer_range: float | None = None
 
 
-def tiny_ggufs(wanted: Sequence[TinyGguf], tokenizer_dir: Path, log: Path) -> None:
-    """Each of `wanted` built and converted, all in one run of llama.cpp's converter: its
-    child imports torch and transformers once (3.5 of a tiny model's 5 CPU-seconds of
-    conversion), not once a model."""
+def tiny_ggufs(wanted: Sequence[TinyGguf], tokenizer_dir: Path) -> None:
+    """Each of `wanted` built and written as GGUF in this process, as llama.cpp's converter
+    writes it (hf_to_gguf.py): no sdist to download, no child importing torch again."""
     for tiny in wanted:
         build_tiny(tiny.family, tiny.dest, tokenizer_dir, seed=tiny.seed,
                    initializer_range=tiny.initializer_range)
-    convert_hf(llama_source(), [(tiny.dest, tiny.dest / GGUF_FILE) for tiny in wanted],
-               log=log, pre_tokenizer=SMOLLM_PRE_TOKENIZER)
+        write_gguf(tiny.dest, tiny.dest / GGUF_FILE, SMOLLM_PRE_TOKENIZER)
 
 
 def requantize(source: Path, dest: Path, qtype: gguf.GGMLQuantizationType,

@@ -86,8 +86,8 @@ def test_the_config_read_from_the_gguf_is_the_imported_config(bundled: Path,
 @pytest.mark.parametrize("family", ["qwen2", "deepseek_v3"])
 def test_the_config_of_other_architectures_is_their_config_json(
         family: str, tiny_family_gguf: Callable[[str], Path]) -> None:
-    """Qwen2 (biases, GQA) and DeepSeek (MLA, MoE after a dense layer), converted by
-    llama.cpp's converter from tiny random checkpoints."""
+    """Qwen2 (biases, GQA) and DeepSeek (MLA, MoE after a dense layer), tiny random
+    checkpoints written as llama.cpp's converter writes them."""
     model_dir = tiny_family_gguf(family)
     _same_config(model_dir / GGUF_FILE, model_dir)
 
@@ -149,7 +149,7 @@ async def test_a_plant_naming_the_gguf_answers_what_llamacpp_answers_whole(
     tokenizer: a chat, a prompt of three chunks and short prompts, in flight together.
 
     The tiny Llama's GGUF carries SmolLM2's vocabulary, pre-tokenizer and chat template,
-    written by llama.cpp's converter (gguf_models.tiny_gguf), as the shipped file does;
+    as llama.cpp's converter writes them (gguf_models.tiny_ggufs), as the shipped file does;
     the shipped file's cuts are held token for token by test_llamacpp.py's SmolLM2 split."""
     reqs = requests()[:4]
     plant = plant_for(tiny_llama_gguf / GGUF_FILE, amqtt_broker, TINY_SPLITS["3-stages"],

@@ -525,7 +525,7 @@ def family(request: pytest.FixtureRequest,
 async def test_other_architectures_split_exactly(family: tuple[str, Path],
                                                  amqtt_broker: BrokerHandle) -> None:
     """Qwen2, and DeepSeek's MLA and MoE (transformers' DeepseekV3, llama.cpp's deepseek2
-    architecture), converted by llama.cpp's converter: through 3 stages, with concurrent
+    architecture), as llama.cpp's converter writes them: through 3 stages, with concurrent
     requests, token-exact against the GGUF run whole."""
     name, family_dir = family
     reqs = requests()[2:]  # six short prompts: tiny models, so many requests cost little
