@@ -10,7 +10,6 @@ installed with edgebus).
 - `results`: what a run measured, as plain data.
 - `report`: the targets, `docs/benchmarks.md` and its plot.
 - `peers`: llama.cpp's own tools (built once into a cache), llama-server and RPC driven.
-- `converter`: llama.cpp's convert_hf_to_gguf.py, run as a child process.
 - `seed_model`: the random model of the seed plant's shape.
 - `speculation`: drafts off and on; `shared_cores`: stages chained by pipes on shared cores;
   `stage_steps`: each stage's step against the whole model's; `roofline`: memory bandwidth.

@@ -15,7 +15,6 @@ the next build resumes it.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import importlib.util
 import json
@@ -900,62 +899,3 @@ def _llama_cpp_python_traces(gguf: str, ids: list[int], tokens: int, runs: int, 
         return [one() for _ in range(runs)]
     finally:
         llm.close()
-
-
-# -- llama.cpp's source and converter ---------------------------------------------------
-
-
-def llama_source(home: Path | None = None, out: TextIO = sys.stdout) -> Path:
-    """The llama.cpp source vendored in the installed llama-cpp-python's sdist (its converter
-    and gguf-py): the built tools' copy, else the source alone, downloaded once into
-    `$EDGEBUS_HOME/llama.cpp/<version>-source/` (seconds; nothing is compiled)."""
-    tools = find_tools(home)
-    if isinstance(tools, LlamaTools):
-        return tools.source
-    llama_version = installed_version()
-    if llama_version is None:
-        raise EdgebusError("llama-cpp-python is not installed, and its version picks the "
-                           "llama.cpp source: pip install llama-cpp-python")
-    final = tools_dir(f"{llama_version}-source", home)
-    converter = final / "src" / "convert_hf_to_gguf.py"
-    if converter.is_file():
-        return final / "src"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # Processes that convert at once (test workers) download the sdist once, in turns.
-    with exclusive(final.with_name(f".{final.name}.lock")):
-        if not converter.is_file():
-            partial = final.with_name(f".{final.name}.partial-{os.getpid()}")
-            try:
-                _fetch_source(llama_version, partial, out)
-                with contextlib.suppress(OSError):  # an edgebus without the lock got there
-                    os.rename(partial, final)
-            finally:
-                shutil.rmtree(partial, ignore_errors=True)
-    return final / "src"
-
-
-# Runs the converter in a child process: it imports its own gguf-py, not the installed gguf.
-CONVERTER = Path(__file__).with_name("converter.py")
-
-
-def convert_hf(source: Path, conversions: Sequence[tuple[Path, Path]], *, log: Path,
-               outtype: str = "f16", pre_tokenizer: str | None = None) -> None:
-    """Each (model_dir, target) of `conversions`: `model_dir` (an HF directory) written to
-    `target` as a GGUF of `outtype` by llama.cpp's convert_hf_to_gguf.py from `source`, all
-    in one child process. `pre_tokenizer` names the pre-tokenizer for a tokenizer the
-    converter does not recognise by its hash (a test model borrowing another's tokenizer);
-    llama.cpp tokenizes nothing in a stage, so it only has to load."""
-    pin = ["--pre-tokenizer", pre_tokenizer] if pre_tokenizer else []
-    partial = [target.with_name(f".{target.name}.{os.getpid()}.partial")
-               for _, target in conversions]
-    jobs = [arg for (model_dir, _), tmp in zip(conversions, partial, strict=True)
-            for arg in ("--", str(model_dir), "--outtype", outtype, "--outfile", str(tmp))]
-    try:
-        _run([sys.executable, str(CONVERTER), *pin, str(source), *jobs], log,
-             what=f"converting {', '.join(str(d) for d, _ in conversions)} to GGUF "
-                  "(convert_hf_to_gguf.py)")
-        for tmp, (_, target) in zip(partial, conversions, strict=True):
-            os.rename(tmp, target)
-    finally:
-        for tmp in partial:
-            tmp.unlink(missing_ok=True)
