@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 import torch
@@ -49,6 +48,9 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
 from edgebus.core.errors import EngineError
+
+if TYPE_CHECKING:
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
 
 # The attention implementation the exported layers run: see _Tap.
 TAP_ATTENTION = "edgebus_tap"
@@ -231,21 +233,44 @@ def _real(module: nn.Module) -> nn.Module:
 
 def _torch_export(module: nn.Module, args: tuple[torch.Tensor, ...], inputs: list[str],
                   outputs: list[str], dynamic: dict[str, dict[int, str]]) -> onnx.ModelProto:
-    """torch.onnx's dynamo export, unoptimised so weights keep their module names."""
+    """torch.onnx's dynamo export, unoptimised so weights keep their module names.
+
+    What `torch.onnx.export(dynamo=True)` does, less two costs it pays on every call: it
+    builds its registry of ATen decompositions again (~0.6 CPU-s of a 1.5 s export of a
+    tiny Llama's part, 2-core EPYC), and writes the graph to a file to be read back. The
+    graphs are the same, node for node (compared on the tiny Llama's and Mistral's parts).
+    These are torch.onnx's internal functions: torch is pinned to one minor line
+    (pyproject.toml), and test_engines.py's exports go through them.
+    """
+    # Imported at the first export (onnxscript's ~1.8 s): a stage whose graphs are cached
+    # on disk never exports.
+    from torch.onnx._constants import ONNX_DEFAULT_OPSET
+    from torch.onnx._internal.exporter import _core, _dynamic_shapes
+
     module.eval()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), \
-            _quiet_exporter(), torch.inference_mode(False):
+    with warnings.catch_warnings(), _quiet_exporter(), torch.inference_mode(False):
         warnings.simplefilter("ignore")
-        path = Path(tmp) / "part.onnx"
         try:
-            torch.onnx.export(module, args, str(path), dynamo=True, input_names=inputs,
-                              output_names=outputs, dynamic_shapes=dynamic, optimize=False,
-                              verbose=False, external_data=False)
+            shapes, named_axes = _dynamic_shapes.convert_str_to_export_dim(dynamic)
+            program = _core.export(module, args, registry=_registry(), dynamic_shapes=shapes,
+                                   input_names=inputs, output_names=outputs, optimize=False,
+                                   verbose=False, opset_version=ONNX_DEFAULT_OPSET)
+            if named_axes:
+                program._rename_dynamic_axes(dynamic)
         except Exception as exc:
             raise EngineError(f"torch.onnx cannot export this model's layers "
                               f"({type(exc).__name__}: {str(exc)[:300]}): use `engine: torch` "
                               "for it") from exc
-        return onnx.load(str(path))
+        return program.model_proto
+
+
+@functools.cache
+def _registry() -> ONNXRegistry:
+    """torch.onnx's decompositions, as `torch.onnx.export` builds them for its default opset."""
+    from torch.onnx._constants import ONNX_DEFAULT_OPSET
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    return ONNXRegistry.from_torchlib(opset_version=ONNX_DEFAULT_OPSET)
 
 
 @contextlib.contextmanager
