@@ -194,7 +194,7 @@ class TemplateExporter:
             # A module's repr names its classes and every shape.
             key = f"head|{self.norm!r}|{self.head!r}"
             if key not in _TEMPLATES:
-                _TEMPLATES[key] = self._export_head()
+                _TEMPLATES[key] = _weightless(self._export_head())
             return _copy(_TEMPLATES[key])
         before = None if part.before is None else self.layers[part.before]
         after = None if part.after is None else self.layers[part.after]
@@ -206,7 +206,7 @@ class TemplateExporter:
         assert first is not None and second is not None
         key = f"mid|{first!r}|{second!r}"
         if key not in _TEMPLATES:
-            _TEMPLATES[key] = self._export_mid(first, second)
+            _TEMPLATES[key] = _weightless(self._export_mid(first, second))
         if part.kind == "entry":
             return _cut(_TEMPLATES[key], ["q", "k", "v"], start=MID_OUTPUT)
         if part.kind == "exit":
@@ -231,6 +231,16 @@ class TemplateExporter:
         return _torch_export(_Part(_real(before), _real(after)), args, names,
                              [MID_OUTPUT, "q", "k", "v"],
                              {name: {1: "positions"} for name in names})
+
+
+def _weightless(template: onnx.ModelProto) -> onnx.ModelProto:
+    """`template` without the values of its weights (those named by role): every part puts
+    its own in (onnx_weights.fill), and each part's copy of the export's uninitialised
+    storage cost a copy of two layers' weights (28 MB a part on SmolLM2)."""
+    for init in template.graph.initializer:
+        if "." in init.name:
+            init.ClearField("raw_data")
+    return template
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
