@@ -174,7 +174,7 @@ def test_a_stage_links_the_graphs_another_stage_built(tiny_llama: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_mistral(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """The tiny Mistral (window 8), no graphs cached: its first layer's two templates are
+    """The tiny Mistral (window 8), no graphs cached: its first layer's template is
     exported once here, by the test that watches the exporter's logging."""
     return build_tiny("mistral", tmp_path_factory.mktemp("mistral"), smollm2_dir)
 

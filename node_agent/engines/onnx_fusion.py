@@ -248,6 +248,8 @@ def _drop_dead(graph: onnx.GraphProto) -> None:
     kept_inputs = [i for i in graph.input if i.name in used]
     del graph.input[:]
     graph.input.extend(kept_inputs)
-    kept = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    # Deleted in place: a rebuilt list would copy every weight of the part once more
+    # (~0.6 s of SmolLM2's fp32 graphs, whose weights are 0.5 GB).
+    for index in reversed(range(len(graph.initializer))):
+        if graph.initializer[index].name not in used:
+            del graph.initializer[index]

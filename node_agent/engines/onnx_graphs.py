@@ -24,7 +24,9 @@ Mistral...) comes out as that family's code computes it.
 Exporting takes seconds a graph, so each distinct layer structure is
 exported once, as a *template* whose weights are named by role
 (`before.mlp.up_proj.weight`), and every layer's part is the template with
-that layer's weights put in (`node_agent/engines/onnx_weights.py`).
+that layer's weights put in (`node_agent/engines/onnx_weights.py`). Only
+middle parts (and the head) are exported: an entry or exit part is cut
+from the middle part that runs its layer twice.
 
 Shapes: T = positions in the call, H = hidden size, Hq/Hkv = query and
 key/value heads, D = head size, R = rows whose logits are wanted.
@@ -34,14 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 import torch
@@ -50,12 +51,17 @@ from transformers import AttentionInterface, PretrainedConfig
 
 from edgebus.core.errors import EngineError
 
+if TYPE_CHECKING:
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
 # The attention implementation the exported layers run: see _Tap.
 TAP_ATTENTION = "edgebus_tap"
 # Sample positions to trace with; every length axis is exported as dynamic.
 _TRACE_POSITIONS = 3
 # What the exporter logs below ERROR is progress, of no use to a plant engineer.
 _CHATTY_LOGGERS = ("torch.onnx", "onnx_ir")
+# The middle part's input and output: the residual stream before and after it.
+MID_INPUT, MID_OUTPUT = "h", "h_out"
 # Roles of a template's weights, by the attribute that holds the module in _Part.
 BEFORE, AFTER, NORM, HEAD = "before", "after", "norm", "head"
 
@@ -170,8 +176,8 @@ def check_supported(config: PretrainedConfig, layer: nn.Module) -> None:
                           "`engine: torch`")
 
 
-# Templates exported in this process, by part kind and module structure: stages
-# of one model (and tests loading many) share them.
+# Templates exported in this process, middle parts and heads by module structure:
+# stages of one model (and tests loading many) share them.
 _TEMPLATES: dict[str, onnx.ModelProto] = {}
 
 
@@ -184,43 +190,103 @@ class TemplateExporter:
 
     def template(self, part: PartSpec) -> onnx.ModelProto:
         """The graph of `part`, with weights named by role (BEFORE, AFTER, NORM, HEAD)."""
+        if part.kind == "head":
+            # A module's repr names its classes and every shape.
+            key = f"head|{self.norm!r}|{self.head!r}"
+            if key not in _TEMPLATES:
+                _TEMPLATES[key] = _weightless(self._export_head())
+            return _copy(_TEMPLATES[key])
         before = None if part.before is None else self.layers[part.before]
         after = None if part.after is None else self.layers[part.after]
-        # A module's repr names its classes and every shape; a head part's is its norm's and head's.
-        key = (f"{part.kind}|{before!r}|{after!r}" if part.kind != "head"
-               else f"head|{self.norm!r}|{self.head!r}")
+        # An entry part is the pre-attention half of its layer and an exit part the
+        # post-attention half, node for node as a middle part runs them: both are cut from
+        # the middle part of their layer twice. A model whose layers are alike is exported
+        # as that one part and its head, not as four parts (an export costs seconds).
+        first, second = before or after, after or before
+        assert first is not None and second is not None
+        key = f"mid|{first!r}|{second!r}"
         if key not in _TEMPLATES:
-            _TEMPLATES[key] = self._export(part, before, after)
-        graph = onnx.ModelProto()
-        graph.CopyFrom(_TEMPLATES[key])
-        return graph
+            _TEMPLATES[key] = _weightless(self._export_mid(first, second))
+        if part.kind == "entry":
+            return _cut(_TEMPLATES[key], ["q", "k", "v"], start=MID_OUTPUT)
+        if part.kind == "exit":
+            return _cut(_TEMPLATES[key], [MID_OUTPUT])
+        return _copy(_TEMPLATES[key])
 
-    def _export(self, part: PartSpec, before: nn.Module | None,
-                after: nn.Module | None) -> onnx.ModelProto:
+    def _export_head(self) -> onnx.ModelProto:
+        assert self.norm is not None and self.head is not None
+        return _torch_export(_Head(_real(self.norm), _real(self.head)),
+                             (torch.zeros(_TRACE_POSITIONS, self.config.hidden_size),),
+                             ["h"], ["logits"], {"h": {0: "rows"}})
+
+    def _export_mid(self, before: nn.Module, after: nn.Module) -> onnx.ModelProto:
         cfg = self.config
         heads: int = cfg.num_attention_heads
         head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         t = _TRACE_POSITIONS
-        if part.kind == "head":
-            assert self.norm is not None and self.head is not None
-            module: nn.Module = _Head(_real(self.norm), _real(self.head))
-            args: tuple[torch.Tensor, ...] = (torch.zeros(t, cfg.hidden_size),)
-            names, dynamic = ["h"], {"h": {0: "rows"}}
-            outputs = ["logits"]
-        else:
-            module = _Part(None if before is None else _real(before),
-                           None if after is None else _real(after))
-            # Distinct tensors: export would trace one tensor passed twice as one input.
-            args = (torch.zeros(1, t, cfg.hidden_size), torch.zeros(1, t, head_dim),
-                    torch.zeros(1, t, head_dim))
-            names = ["h", "cos", "sin"]
-            if before is not None:
-                args += (torch.zeros(1, t, heads, head_dim),)
-                names.append("attn")
-            dynamic = {name: {1: "positions"} for name in names}
-            outputs = (["h_out"] if before is not None else []) + (
-                ["q", "k", "v"] if after is not None else [])
-        return _torch_export(module, args, names, outputs, dynamic)
+        # Distinct tensors: export would trace one tensor passed twice as one input.
+        args = (torch.zeros(1, t, cfg.hidden_size), torch.zeros(1, t, head_dim),
+                torch.zeros(1, t, head_dim), torch.zeros(1, t, heads, head_dim))
+        names = [MID_INPUT, "cos", "sin", "attn"]
+        return _torch_export(_Part(_real(before), _real(after)), args, names,
+                             [MID_OUTPUT, "q", "k", "v"],
+                             {name: {1: "positions"} for name in names})
+
+
+def _weightless(template: onnx.ModelProto) -> onnx.ModelProto:
+    """`template` without the values of its weights (those named by role): every part puts
+    its own in (onnx_weights.fill), and each part's copy of the export's uninitialised
+    storage cost a copy of two layers' weights (28 MB a part on SmolLM2)."""
+    for init in template.graph.initializer:
+        if "." in init.name:
+            init.ClearField("raw_data")
+    return template
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    graph = onnx.ModelProto()
+    graph.CopyFrom(model)
+    return graph
+
+
+def _cut(mid: onnx.ModelProto, outputs: list[str], start: str | None = None) -> onnx.ModelProto:
+    """The nodes of the middle part `mid` that compute `outputs`; from the value `start`,
+    which becomes the input MID_INPUT, if given (the pre-attention half).
+
+    The middle part's input is read by the pre-attention half only for its length, the
+    positions a call runs (torch.export takes every "positions" size from the first input
+    that has it): `start` has the same shape, so such a read stays, of the new input.
+    """
+    cut = _copy(mid)
+    graph = cut.graph
+    needed, kept = set(outputs), []
+    for node in reversed(graph.node):
+        if any(out in needed for out in node.output):
+            kept.append(node)
+            needed.update(name for name in node.input if name and name != start)
+    kept.reverse()
+    if start is not None:
+        if any(node.op_type != "Shape" for node in kept if MID_INPUT in node.input):
+            raise EngineError("the pre-attention half of this model's layers reads the "
+                              "layer before it: engine onnxruntime cannot cut it at "
+                              "attention; use `engine: torch`")
+        for node in kept:
+            node.input[:] = [MID_INPUT if name == start else name for name in node.input]
+        needed.add(MID_INPUT)
+    del graph.node[:]
+    graph.node.extend(kept)
+    for field in (graph.input, graph.initializer):
+        present = [item for item in field if item.name in needed]
+        del field[:]
+        field.extend(present)
+    results = [o for o in graph.output if o.name in outputs]
+    del graph.output[:]
+    graph.output.extend(results)
+    made = {out for node in kept for out in node.output}
+    values = [v for v in graph.value_info if v.name in made]
+    del graph.value_info[:]
+    graph.value_info.extend(values)
+    return cut
 
 
 def _real(module: nn.Module) -> nn.Module:
@@ -231,21 +297,44 @@ def _real(module: nn.Module) -> nn.Module:
 
 def _torch_export(module: nn.Module, args: tuple[torch.Tensor, ...], inputs: list[str],
                   outputs: list[str], dynamic: dict[str, dict[int, str]]) -> onnx.ModelProto:
-    """torch.onnx's dynamo export, unoptimised so weights keep their module names."""
+    """torch.onnx's dynamo export, unoptimised so weights keep their module names.
+
+    What `torch.onnx.export(dynamo=True)` does, less two costs it pays on every call: it
+    builds its registry of ATen decompositions again (~0.6 CPU-s of a 1.5 s export of a
+    tiny Llama's part, 2-core EPYC), and writes the graph to a file to be read back. The
+    graphs are the same, node for node (compared on the tiny Llama's and Mistral's parts).
+    These are torch.onnx's internal functions: torch is pinned to one minor line
+    (pyproject.toml), and test_engines.py's exports go through them.
+    """
+    # Imported at the first export (onnxscript's ~1.8 s): a stage whose graphs are cached
+    # on disk never exports.
+    from torch.onnx._constants import ONNX_DEFAULT_OPSET
+    from torch.onnx._internal.exporter import _core, _dynamic_shapes
+
     module.eval()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), \
-            _quiet_exporter(), torch.inference_mode(False):
+    with warnings.catch_warnings(), _quiet_exporter(), torch.inference_mode(False):
         warnings.simplefilter("ignore")
-        path = Path(tmp) / "part.onnx"
         try:
-            torch.onnx.export(module, args, str(path), dynamo=True, input_names=inputs,
-                              output_names=outputs, dynamic_shapes=dynamic, optimize=False,
-                              verbose=False, external_data=False)
+            shapes, named_axes = _dynamic_shapes.convert_str_to_export_dim(dynamic)
+            program = _core.export(module, args, registry=_registry(), dynamic_shapes=shapes,
+                                   input_names=inputs, output_names=outputs, optimize=False,
+                                   verbose=False, opset_version=ONNX_DEFAULT_OPSET)
+            if named_axes:
+                program._rename_dynamic_axes(dynamic)
         except Exception as exc:
             raise EngineError(f"torch.onnx cannot export this model's layers "
                               f"({type(exc).__name__}: {str(exc)[:300]}): use `engine: torch` "
                               "for it") from exc
-        return onnx.load(str(path))
+        return program.model_proto
+
+
+@functools.cache
+def _registry() -> ONNXRegistry:
+    """torch.onnx's decompositions, as `torch.onnx.export` builds them for its default opset."""
+    from torch.onnx._constants import ONNX_DEFAULT_OPSET
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    return ONNXRegistry.from_torchlib(opset_version=ONNX_DEFAULT_OPSET)
 
 
 @contextlib.contextmanager
