@@ -33,6 +33,10 @@ from plant_config import Plant
 
 # Agents importing torch side by side on a 2-core box take ~10-40 s.
 ONLINE_S = 180.0
+# `Gateway.until` checks its condition on every message, and this often without one: a
+# condition may hang on what no message tells (a journal's files, another thread's count),
+# and waiting for the next message made it wait for the next heartbeat, up to 2 s.
+RECHECK_S = 0.05
 PROMPTS = [
     "The hydraulic press on line 3 reports a pressure drop. Likely causes are",
     "Summarise the lockout-tagout procedure for a conveyor motor:",
@@ -111,7 +115,7 @@ class Gateway:
             if remaining <= 0:
                 raise AssertionError(f"timed out; responses so far: {sorted(self.responses)}")
             with suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), remaining)
+                await asyncio.wait_for(self.changed.wait(), min(remaining, RECHECK_S))
 
     async def until_answered(self, batch: list[GenerateRequest], timeout: float) -> None:
         await self.until(lambda: all(r.id in self.responses for r in batch), timeout)

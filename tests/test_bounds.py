@@ -85,6 +85,11 @@ ROOMY_QUEUE = f"max_queued_messages {FLOOD_MESSAGES * FLOOD_FRAMES}\n"
 # What a message to the coordinator may carry (the vocabulary of SmolLM2's
 # tokenizer, which the tiny model shares).
 RESULT_LIMITS = frames.coordinator_limits(vocab=49152, max_in_flight=64, stages=2)
+# The flood test reads its stage's counters from its status, which a heartbeat refreshes
+# (every 2 s by default): it waited for two of them. Only the refresh is shorter;
+# liveness.timeout_s stays the default 6 s, so a stage the flood keeps busy is not taken
+# for dead.
+STATUS_HEARTBEAT_S = 0.25
 
 
 def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path) -> tuple[Path, Plant]:
@@ -92,7 +97,8 @@ def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path) -> tup
                                       weights="gguf"), KV_BUDGET_MB)
     plant = plant.model_copy(update={"coordinator": plant.coordinator.model_copy(update={
         "prefill_chunk": PREFILL_CHUNK, "max_prompt_tokens": MAX_PROMPT_TOKENS,
-        "max_tokens_limit": MAX_TOKENS_LIMIT})})
+        "max_tokens_limit": MAX_TOKENS_LIMIT}),
+        "liveness": plant.liveness.model_copy(update={"heartbeat_s": STATUS_HEARTBEAT_S})})
     path = workdir / "plant.yaml"
     write_plant(plant, path)
     return path, plant
@@ -231,8 +237,10 @@ class ErrorCounter:
             return len(self.counts)
 
     def close(self) -> None:
-        self._client.loop_stop()
+        # Disconnect first: its packet wakes the network thread, which loop_stop then joins
+        # at once; stopped first, the thread slept out its select's 1 s timeout.
         self._client.disconnect()
+        self._client.loop_stop()
 
 
 async def test_a_flood_of_frames_is_refused_at_the_bound_and_every_frame_accounted_for(

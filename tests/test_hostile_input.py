@@ -46,6 +46,7 @@ from node_agent import stage as stage_module
 from node_agent.coordinator import intake
 from node_agent.kv_cache import kv_bytes_per_token
 from node_agent.text import prompt_ids as tokenize
+from plant_config import Liveness
 from plant_config.tasks import EXAMPLE_TASKS, apply_task
 
 # What a task request may be refused with once it has parsed (plant_config/tasks.py).
@@ -391,13 +392,14 @@ async def test_caches_of_abandoned_requests_are_evicted(
 
     async with running(plant) as stages, aiomqtt.Client(mosquitto_broker.host,
                                                         mosquitto_broker.port) as client:
+        await client.subscribe(f"{root}/act/{plant.coordinator.id}", qos=1)
         await client.publish(f"{root}/act/stage-0", prefill(55), qos=1)
+        # The last stage's candidates for 55: every stage has stamped its cache by then.
         async with asyncio.timeout(WAIT_S):
-            while not all(55 in stage.caches for stage in stages):
-                await asyncio.sleep(0.05)
+            await anext(aiter(client.messages))
+        assert all(55 in stage.caches for stage in stages)
         # Past a sweep's interval and the abandon time: the next work sweeps 55 out.
-        await asyncio.sleep(max(TEST_SWEEP_INTERVAL_S, plant.coordinator.request_timeout_s)
-                            + 0.5)
+        await asyncio.sleep(max(TEST_SWEEP_INTERVAL_S, plant.coordinator.request_timeout_s))
         await client.publish(f"{root}/act/stage-0", prefill(56), qos=1)  # work wakes the sweep
         async with asyncio.timeout(WAIT_S):
             while not all(56 in stage.caches for stage in stages):
@@ -446,6 +448,10 @@ async def test_a_late_will_of_an_old_session_does_not_kill_a_live_node(
 # How often the spoof of issue 30 came: the coordinator marked stage-0 offline on each and
 # replayed what ran through it.
 SPOOF_EVERY_S = 0.3
+# The test ends on the coordinator's first status after both answers: a heartbeat, 2 s apart
+# by default. Only the refresh is shorter; liveness.timeout_s stays the default 6 s, so a
+# loaded box's late status still leaves every node alive.
+STATUS_HEARTBEAT_S = 0.25
 
 
 async def test_a_status_naming_another_agent_is_dropped_and_changes_nothing(
@@ -454,7 +460,8 @@ async def test_a_status_naming_another_agent_is_dropped_and_changes_nothing(
     0.3 s, retained and plain, as any client of an open broker may publish it, while two
     requests run: both are answered token-exact, no node goes offline, nothing is replayed,
     and the coordinator warns and counts what it dropped."""
-    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)])
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)]).model_copy(
+        update={"liveness": Liveness(heartbeat_s=STATUS_HEARTBEAT_S)})
     root = plant.topic_root
     coordinator_status = plant.topics.status(plant.coordinator.id)
     # A bdseq above any real session's, so that no reader takes it for a late Will.

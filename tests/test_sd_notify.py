@@ -27,8 +27,8 @@ from edgebus.core import sd_notify
 from edgebus.core.processes import LOOPBACK
 from plant_config import make_plant, write_plant
 
-# 200 ms: the agent pings every 100 ms, so a test sees many pings in a second.
-WATCHDOG_USEC = 200_000
+# 100 ms: the agent pings every 50 ms, so a test sees many pings in half a second.
+WATCHDOG_USEC = 100_000
 PERIOD_S = WATCHDOG_USEC / 2e6
 # The agent imports torch and transformers before it connects: ~10 s on a
 # loaded two-core box.

@@ -55,9 +55,9 @@ from node_agent.sparkplug import BD_SEQ, PLANT_DEVICE, REBIRTH
 from plant_config import Liveness, Plant, load_plant, make_plant, write_plant
 from plant_config.schema import Ops, Sparkplug
 
-# Heartbeats (and so Sparkplug data) every half second, so each wait below is
-# a few heartbeats long; a dead node counts as dead after 2 s.
-LIVENESS = Liveness(heartbeat_s=0.5, timeout_s=2.0, stage_wait_s=20.0)
+# Heartbeats (and so Sparkplug data) every quarter second: the waits below are for
+# data a heartbeat carries, so each lasts up to one. A dead node counts as dead after 2 s.
+LIVENESS = Liveness(heartbeat_s=0.25, timeout_s=2.0, stage_wait_s=20.0)
 # A stage process loads its layers: seconds on 2 busy cores.
 ONLINE_S = 60.0
 # Everything after that takes a few heartbeats; the margin is for a loaded box.
