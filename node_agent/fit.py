@@ -20,9 +20,9 @@ from pathlib import Path
 
 from edgebus.core.errors import EdgebusError
 from edgebus.core.memory_limits import available_bytes, memory_limit, rss_bytes
-from node_agent.engines.llamacpp.engine import model_gguf
 from node_agent.gguf_memory import llamacpp_shape, weight_sizes
 from node_agent.measured import Measured, costs_from
+from node_agent.model_config import model_gguf
 from plant_config.layout import show
 from plant_config.planner import Box, Memory, ModelCosts
 from plant_config.schema import Plant, resolve_engine

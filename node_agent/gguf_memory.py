@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
 from node_agent.gguf_model import EMBEDDING, HEAD, part_bytes, read_config
 from node_agent.measured import Sizes
-from node_agent.model_config import kv_bytes_per_token
+from node_agent.model_config import LLAMACPP_KV_ITEM_BYTES, kv_bytes_per_token
 from plant_config.planner import PartBytes
 from plant_config.stage_memory import LlamaCppShape
 
@@ -26,7 +25,7 @@ def llamacpp_shape(path: Path) -> LlamaCppShape:
               (getattr(config, "moe_intermediate_size", None) or 0)
               * (getattr(config, "num_experts_per_tok", None) or 0))
     return LlamaCppShape(
-        kv_bytes=tuple(kv_bytes_per_token(config, (layer, layer + 1), KV_ITEM_BYTES)
+        kv_bytes=tuple(kv_bytes_per_token(config, (layer, layer + 1), LLAMACPP_KV_ITEM_BYTES)
                        for layer in range(config.num_hidden_layers)),
         heads=config.num_attention_heads, hidden=config.hidden_size, ffn=ffn,
         vocab=config.vocab_size)

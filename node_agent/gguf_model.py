@@ -33,7 +33,6 @@ from typing import Any
 import gguf
 
 from edgebus.core.errors import CheckpointError
-from plant_config.schema import GGUF_SUFFIX
 
 EMBEDDING, HEAD = "embedding", "head"
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -41,11 +40,6 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 # norm, the LM head) is computed after the last layer.
 _EMBEDDING_TENSORS = ("token_embd.", "token_embd_norm.")
 _LM_HEAD = "output.weight"
-
-
-def is_gguf(model: Path) -> bool:
-    """Whether the plant's `model:` names a GGUF file rather than a model directory."""
-    return Path(model).suffix.lower() == GGUF_SUFFIX
 
 
 def read_config(path: Path) -> SimpleNamespace:

@@ -53,12 +53,12 @@ from edgebus.core.errors import EngineError
 from edgebus.core.paths import edgebus_home
 from node_agent.engines.base import ContextShape
 from node_agent.engines.llamacpp import library
-from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES, LlamaCppEngine
+from node_agent.engines.llamacpp.engine import LlamaCppEngine
 from node_agent.gguf_memory import llamacpp_shape, weight_sizes
 from node_agent.gguf_model import read_config
 from node_agent.measured import Measured, costs_from
 from node_agent.message_cost import measure_message
-from node_agent.model_config import kv_bytes_per_token
+from node_agent.model_config import LLAMACPP_KV_ITEM_BYTES, kv_bytes_per_token
 from plant_config.planner import BATCH_ROWS, PREFILL_POSITIONS, ModelCosts
 from plant_config.stage_memory import IDLE_AGENT_BYTES
 
@@ -108,7 +108,7 @@ def measure(path: Path, *, rounds: int = ROUNDS) -> Measured:
     layers = config.num_hidden_layers
     marker = _Marker(layers)
     positions = PREFILL_POSITIONS + 2 * DECODE_STEPS
-    per_position = kv_bytes_per_token(config, (0, layers), KV_ITEM_BYTES)
+    per_position = kv_bytes_per_token(config, (0, layers), LLAMACPP_KV_ITEM_BYTES)
     probe = ContextShape(kv_budget_bytes=0, positions=positions,
                          batch_positions=PREFILL_POSITIONS)
     shape = ContextShape(kv_budget_bytes=BATCH_ROWS * probe.sequence_positions * per_position,

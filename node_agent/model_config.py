@@ -17,21 +17,42 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from edgebus.core.errors import CheckpointError
-from node_agent import gguf_model
+from edgebus.core.errors import CheckpointError, EngineError
+from edgebus.core.paths import GGUF_FILE
+from plant_config.schema import GGUF_SUFFIX
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # Stages of the torch engine keep keys and values in float32, the dtype their activations
-# run in; llama.cpp keeps f16 (llamacpp/engine.py passes its own).
+# run in.
 KV_ITEM_BYTES = 4
+# llama.cpp's default KV type is f16. Here, not in the engine, for the coordinator's KV
+# bookings and the fit checks, which count by it without loading llama.cpp.
+LLAMACPP_KV_ITEM_BYTES = 2
+
+
+def is_gguf(model: Path) -> bool:
+    """Whether the plant's `model:` names a GGUF file rather than a model directory."""
+    return Path(model).suffix.lower() == GGUF_SUFFIX
+
+
+def model_gguf(model: Path) -> Path:
+    """The GGUF a plant's `model:` names: the file itself, or an imported directory's."""
+    path = model if is_gguf(model) else model / GGUF_FILE
+    if not path.is_file():
+        raise EngineError(f"no GGUF at {path}, which the llamacpp engine runs: set the plant's "
+                          "model: to a .gguf file, or to a directory made by `edgebus model "
+                          "import-gguf FILE.gguf DIR`")
+    return path
 
 
 def load_config(model: Path) -> Any:
     """The model's config as an object with config.json's keys as attributes (`hidden_size`,
     `vocab_size`, ...), as transformers' AutoConfig reads them for the families edgebus
     runs: a model directory's config.json, or what a GGUF file's metadata says of them."""
-    if gguf_model.is_gguf(model):
+    if is_gguf(model):
+        from node_agent import gguf_model  # gguf-py: only a GGUF plant's agents need it
+
         return gguf_model.read_config(model)
     path = Path(model) / CONFIG_FILE
     try:
@@ -49,7 +70,9 @@ def load_config(model: Path) -> Any:
 def generation_eos(model: Path) -> int | list[int] | None:
     """The ids `generate` stops on, from generation_config.json or a GGUF's metadata (None:
     no such file or key)."""
-    if gguf_model.is_gguf(model):
+    if is_gguf(model):
+        from node_agent import gguf_model  # gguf-py: only a GGUF plant's agents need it
+
         return gguf_model.end_ids(model)
     try:
         values = json.loads((Path(model) / GENERATION_CONFIG_FILE).read_text())

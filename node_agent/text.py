@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from edgebus.core.messages import GenerateRequest
-from node_agent.gguf_model import is_gguf
+from node_agent.model_config import is_gguf
 from node_agent.tokenizer import FileTokenizer, TemplatedTokenizer
 
 if TYPE_CHECKING:

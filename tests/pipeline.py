@@ -27,10 +27,9 @@ from edgebus.core.messages import GenerateRequest, GenerateResponse
 from node_agent.coordinator.agent import Coordinator
 from node_agent.coordinator.token_loop import prefill_chunks
 from node_agent.engines import StageEngine, context_shape, load_engine
-from node_agent.gguf_model import is_gguf
 from node_agent.gguf_tokenizer import GgufTokenizer
 from node_agent.memory import return_freed_memory
-from node_agent.model_config import generation_eos, load_config
+from node_agent.model_config import generation_eos, is_gguf, load_config
 from node_agent.stage import StageAgent
 from plant_config import BrokerSettings, CoordinatorSpec, Plant, StageSpec
 from plant_config.schema import EngineName, WeightMode, resolve_engine

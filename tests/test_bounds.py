@@ -38,8 +38,7 @@ from edgebus.core.client import MAX_QUEUED_OUT_BYTES, QUEUED_MESSAGE_BYTES, BusC
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.frames import Header, Kind
 from node_agent.cancel import cancel_all
-from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
-from node_agent.model_config import kv_bytes_per_token
+from node_agent.model_config import LLAMACPP_KV_ITEM_BYTES, kv_bytes_per_token
 from node_agent.stage_inbox import waiting_limit
 from plant_config import Plant, make_plant, write_plant
 
@@ -149,7 +148,7 @@ def budget(plant: Plant, node: str) -> int:
     config = AutoConfig.from_pretrained(plant.model)
     first = plant.stage_index(node) == 0
     waiting = waiting_limit(plant, node, config.hidden_size,
-                            kv_bytes_per_token(config, spec.layers, KV_ITEM_BYTES), first)
+                            kv_bytes_per_token(config, spec.layers, LLAMACPP_KV_ITEM_BYTES), first)
     return spec.kv_budget_mb * 2**20 + waiting + COMPUTE_SLACK
 
 

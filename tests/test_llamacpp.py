@@ -52,8 +52,7 @@ from node_agent.engines import (
 )
 from node_agent.engines.base import CacheFull
 from node_agent.engines.llamacpp import library, rebuild_hint, stage_gguf
-from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
-from node_agent.model_config import kv_bytes_per_token, load_config
+from node_agent.model_config import LLAMACPP_KV_ITEM_BYTES, kv_bytes_per_token, load_config
 from plant_config import Plant, make_plant
 
 # 1, 2 and 3 stages, as the engine's exactness claim is stated (issue 19, README): SmolLM2
@@ -568,7 +567,7 @@ def test_init_gives_a_deep_llama_cpp_stage_room_for_a_batch_of_the_longest_reque
     assert [s.kv_budget_mb for s in sized.stages] == [640, 800, 2400]
     for spec in sized.stages:
         shape = context_shape(sized, spec.node)
-        per_position = kv_bytes_per_token(seed, spec.layers, KV_ITEM_BYTES)
+        per_position = kv_bytes_per_token(seed, spec.layers, LLAMACPP_KV_ITEM_BYTES)
         assert shape.sequences(per_position) >= INIT_KV_REQUESTS
     small = SimpleNamespace(num_attention_heads=16, num_key_value_heads=1, hidden_size=256)
     assert [s.kv_budget_mb for s in with_kv_budgets(plant, small).stages] == [512] * 3
@@ -583,7 +582,7 @@ async def test_requests_past_the_sequences_wait_or_are_told_busy(
     # (0.75 MiB): a budget of whole MiB with room for two requests' shares, not three.
     limits = {"max_prompt_tokens": 968, "max_tokens_limit": 56}
     share = ContextShape(0, sum(limits.values()), 0).share_bytes(
-        kv_bytes_per_token(load_config(tiny_llama_gguf), (0, 6), KV_ITEM_BYTES))
+        kv_bytes_per_token(load_config(tiny_llama_gguf), (0, 6), LLAMACPP_KV_ITEM_BYTES))
     plant = plant_for(tiny_llama_gguf, amqtt_broker, [(0, 6)], weights="gguf",
                       kv_budget_mb=-(-2 * share // 2**20), threads=STAGE_THREADS, **limits)
     reqs = [GenerateRequest(id=f"r{i}", prompt=f"Fault {i} of the press is", max_tokens=40,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from edgebus.core.errors import EngineError
 from node_agent.engines.base import ContextShape, Kernels, StageEngine, StageSlice
 from node_agent.engines.torch_side import build
-from node_agent.model_config import kv_bytes_per_token
+from node_agent.model_config import LLAMACPP_KV_ITEM_BYTES, kv_bytes_per_token
 from plant_config.schema import Device, EngineName, WeightMode, resolve_engine
 from plant_config.stage_memory import INIT_KV_REQUESTS, context_shape
 
@@ -66,10 +66,8 @@ def kv_reservation(plant: Plant, node_id: str, config: Any) -> KvReservation:
     if resolve_engine(spec.engine, spec.weights) != "llamacpp":
         return KvReservation(kv_bytes_per_token(config, spec.layers), 0,
                              spec.kv_budget_mb * 2**20)
-    from node_agent.engines.llamacpp.engine import KV_ITEM_BYTES
-
     shape = context_shape(plant, node_id)
-    per_position = kv_bytes_per_token(config, spec.layers, KV_ITEM_BYTES)
+    per_position = kv_bytes_per_token(config, spec.layers, LLAMACPP_KV_ITEM_BYTES)
     share = shape.sequence_positions * per_position
     return KvReservation(0, share, share * shape.sequences(per_position))
 

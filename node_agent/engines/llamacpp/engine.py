@@ -54,20 +54,21 @@ import numpy as np
 import numpy.typing as npt
 
 from edgebus.core.errors import EngineError
-from edgebus.core.paths import GGUF_FILE
-from node_agent import gguf_model
 from node_agent.engines.base import CacheFull, ContextShape, StageEngine, StageSlice
 from node_agent.engines.llamacpp import library, stage_gguf
 from node_agent.memory import return_freed_memory
-from node_agent.model_config import kv_bytes_per_token, load_config
+from node_agent.model_config import (
+    LLAMACPP_KV_ITEM_BYTES,
+    kv_bytes_per_token,
+    load_config,
+    model_gguf,
+)
 from plant_config.schema import Device
 
 if TYPE_CHECKING:
     # Only for `step`, the torch API of tests and tools: a stage runs `run`, without torch.
     import torch
 
-# Bytes of one cached key or value number: llama.cpp's default KV type is f16.
-KV_ITEM_BYTES = 2
 # Flash attention off: the exactness tests and the batch invariance measured
 # with the prototype hold for llama.cpp's plain attention path.
 FLASH_ATTN = 0
@@ -141,7 +142,7 @@ class LlamaCppEngine(StageEngine):
         self.vocab = int(lowlevel.llama_vocab_n_tokens(lowlevel.llama_model_get_vocab(
             self._model)))
         layers = int(lowlevel.llama_model_n_layer(self._model))
-        self.kv_per_position = kv_bytes_per_token(self.config, (first, end), KV_ITEM_BYTES)
+        self.kv_per_position = kv_bytes_per_token(self.config, (first, end), LLAMACPP_KV_ITEM_BYTES)
         per_sequence = shape.sequence_positions
         self.max_sequences = shape.sequences(self.kv_per_position)
         if self.max_sequences < 1:
@@ -433,13 +434,3 @@ class _Batch:
     def outputs_at(self, total: int, rows: Sequence[int] | range) -> None:
         self._outputs[:total] = 0
         self._outputs[list(rows)] = 1
-
-
-def model_gguf(model: Path) -> Path:
-    """The GGUF a plant's `model:` names: the file itself, or an imported directory's."""
-    path = model if gguf_model.is_gguf(model) else model / GGUF_FILE
-    if not path.is_file():
-        raise EngineError(f"no GGUF at {path}, which the llamacpp engine runs: set the plant's "
-                          "model: to a .gguf file, or to a directory made by `edgebus model "
-                          "import-gguf FILE.gguf DIR`")
-    return path
