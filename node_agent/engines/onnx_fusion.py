@@ -244,6 +244,11 @@ def _drop_dead(graph: onnx.GraphProto) -> None:
             break
         del graph.node[:]
         graph.node.extend(live)
+    drop_unread(graph)
+
+
+def drop_unread(graph: onnx.GraphProto) -> None:
+    """Remove the inputs and initializers no node reads."""
     used = {name for node in graph.node for name in node.input}
     kept_inputs = [i for i in graph.input if i.name in used]
     del graph.input[:]

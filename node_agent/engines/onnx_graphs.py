@@ -50,6 +50,7 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
 from edgebus.core.errors import EngineError
+from node_agent.engines.onnx_fusion import drop_unread
 
 if TYPE_CHECKING:
     from torch.onnx._internal.exporter._registration import ONNXRegistry
@@ -272,13 +273,9 @@ def _cut(mid: onnx.ModelProto, outputs: list[str], start: str | None = None) -> 
                               "attention; use `engine: torch`")
         for node in kept:
             node.input[:] = [MID_INPUT if name == start else name for name in node.input]
-        needed.add(MID_INPUT)
     del graph.node[:]
     graph.node.extend(kept)
-    for field in (graph.input, graph.initializer):
-        present = [item for item in field if item.name in needed]
-        del field[:]
-        field.extend(present)
+    drop_unread(graph)
     results = [o for o in graph.output if o.name in outputs]
     del graph.output[:]
     graph.output.extend(results)
