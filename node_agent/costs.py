@@ -18,8 +18,8 @@ from typing import Any
 
 from edgebus.core.paths import GGUF_FILE
 from node_agent.measured import Measured, read_cache, write_cache
+from node_agent.model_config import is_gguf
 from plant_config.planner import ModelCosts
-from plant_config.schema import GGUF_SUFFIX
 
 
 def model_costs(model: Path, *, remeasure: bool = False) -> tuple[ModelCosts, Measured, bool]:
@@ -59,7 +59,7 @@ def profile_path(model: Path) -> Path:
 
 def _profile(model: Path) -> Any:
     """The module that profiles `model`: llama.cpp's for a GGUF file, else torch's."""
-    if Path(model).suffix.lower() == GGUF_SUFFIX:
+    if is_gguf(model):
         from node_agent import gguf_profile
 
         return gguf_profile
