@@ -20,6 +20,7 @@ from types import ModuleType
 
 import gguf
 import numpy as np
+import pytest
 from dev_tools import dev_tool
 from hf_to_gguf import write_gguf
 from tiny_models import build_tiny
@@ -176,3 +177,19 @@ def with_kv_budget(plant: Plant, kv_budget_mb: int = PROCESS_KV_BUDGET_MB) -> Pl
     """`plant` with every stage node's kv_budget_mb set to `kv_budget_mb`."""
     return plant.model_copy(update={"stages": [
         stage.model_copy(update={"kv_budget_mb": kv_budget_mb}) for stage in plant.stages]})
+
+
+# Decode and batch steps of a quick llama.cpp profile: one of each still times every part;
+# the profile's 8 of each were half of a SmolLM2 profile's 3 CPU-seconds.
+QUICK_PROFILE_STEPS = 1
+
+
+def quick_llama_cpp_profile(patch: pytest.MonkeyPatch) -> None:
+    """llama.cpp profiles (node_agent/gguf_profile.py) in one timed round, no warm-up and
+    QUICK_PROFILE_STEPS, for tests of where a profile comes from and goes and of the sizes
+    it gives, not of steady times (which the bench's are)."""
+    from node_agent import gguf_profile
+
+    patch.setattr(gguf_profile, "WARMUP_ROUNDS", 0)
+    patch.setattr(gguf_profile, "DECODE_STEPS", QUICK_PROFILE_STEPS)
+    patch.setattr(gguf_profile.measure, "__kwdefaults__", {"rounds": 1})

@@ -19,7 +19,7 @@ from typing import Any
 import gguf
 import pytest
 from brokers import BrokerHandle
-from gguf_models import Tensor
+from gguf_models import Tensor, quick_llama_cpp_profile
 from pipeline import ask_all, plant_for, running
 from test_llamacpp import (
     KV_BUDGET_MB,
@@ -268,11 +268,7 @@ def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
     """`edgebus plan` on a plant naming the GGUF: a profile measured in llama.cpp, cached in
     $EDGEBUS_HOME, and each stage's weight bytes the file's tensors of its parts."""
     monkeypatch.setenv("EDGEBUS_HOME", str(tmp_path / "home"))
-    # One timed round, no warm-up: what is under test is where the profile comes from and
-    # goes, and the sizes; how steady its times are is the bench's (this profile is the
-    # test's own, in its own home).
-    monkeypatch.setattr(gguf_profile, "WARMUP_ROUNDS", 0)
-    monkeypatch.setattr(gguf_profile.measure, "__kwdefaults__", {"rounds": 1})
+    quick_llama_cpp_profile(monkeypatch)  # the test's own profile, in its own home
     # The profile holds the model once: a model bigger than half the planning machine
     # (Qwen3-30B-A3B, 17 GB) is profiled too.
     open_engines: list[int] = []

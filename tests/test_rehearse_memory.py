@@ -12,7 +12,7 @@ from pathlib import Path
 
 import optional
 import pytest
-from gguf_models import PROCESS_KV_BUDGET_MB
+from gguf_models import PROCESS_KV_BUDGET_MB, quick_llama_cpp_profile
 
 from edgebus.cli import main
 from edgebus.core.errors import EdgebusError
@@ -22,7 +22,6 @@ from edgebus.rehearse import Options, Rehearsal, one_box_variant
 from edgebus.rehearse.fit import check_boxes
 from edgebus.rehearse.rehearsal import missing
 from edgebus.rehearse.workload import Client, wait_online
-from node_agent import gguf_profile
 from node_agent.costs import model_costs
 from plant_config import BrokerSettings, Plant, StageSpec, make_plant, write_plant
 from plant_config.schema import BoxSpec
@@ -36,17 +35,16 @@ TINY_MB = 120
 
 @pytest.fixture(scope="module", autouse=True)
 def quick_profile(edgebus_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """SmolLM2's llama.cpp profile in one timed round and no warm-up, kept in a profiles
-    directory of this module's own: these tests need its sizes, not steady times, and the
-    machine's cache keeps the full profile (on a fresh machine the full one took 10 s)."""
+    """SmolLM2's llama.cpp profile made quick (gguf_models.quick_llama_cpp_profile), kept in
+    a profiles directory of this module's own: these tests need its sizes, not steady times,
+    and the machine's cache keeps the full profile (on a fresh machine the full one took 10 s)."""
     home = tmp_path_factory.mktemp("quick-profile-home")
     for entry in edgebus_home.iterdir():
         if entry.name != "profiles":
             (home / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EDGEBUS_HOME", str(home))
-        patch.setattr(gguf_profile, "WARMUP_ROUNDS", 0)
-        patch.setattr(gguf_profile.measure, "__kwdefaults__", {"rounds": 1})
+        quick_llama_cpp_profile(patch)
         yield
 
 
