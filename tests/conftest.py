@@ -21,6 +21,7 @@ from collections.abc import Callable, Generator, Iterator
 from importlib.util import find_spec
 from pathlib import Path
 
+import gguf
 import optional
 import pipeline
 import pytest
@@ -31,9 +32,10 @@ from brokers import (
     MosquittoBroker,
     mosquitto_binary,
 )
-from gguf_models import Tensor, TinyGguf, tensors, tiny_ggufs
+from gguf_models import Tensor, TinyGguf, requantize, tensors, tiny_ggufs
 from tiny_models import build_tiny
 
+from edgebus.core.paths import GGUF_FILE
 from edgebus.model_import import bundled_gguf, default_model_dir, ensure_demo_model
 
 BROKER_KINDS = ["amqtt", "mosquitto"]
@@ -221,6 +223,25 @@ def tiny_llama_gguf(converted_ggufs: dict[str, Path]) -> Path:
     a `weights: gguf` agent of it starts in 0.9 s of CPU, where a torch agent spends 6 s
     importing torch and transformers, and fault tests start dozens of agents."""
     return converted_ggufs["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_in(tiny_llama_gguf: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The tiny Llama's GGUF in a block type: its own F16 file, or that rewritten once per
+    run (`requantize`), for the tests that chain, batch and regroup rows of each type."""
+    source = tiny_llama_gguf / GGUF_FILE
+    made: dict[str, Path] = {"F16": source}
+    folder = tmp_path_factory.mktemp("block-types")
+    reader = gguf.GGUFReader(str(source))
+
+    def in_type(qtype: str) -> Path:
+        if qtype not in made:
+            made[qtype] = requantize(source, folder / f"{qtype}.gguf",
+                                     gguf.GGMLQuantizationType[qtype], reader)
+        return made[qtype]
+
+    return in_type
 
 
 @pytest.fixture(scope="session")

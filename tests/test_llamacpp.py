@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 import pytest
 from brokers import BrokerHandle
-from gguf_models import Tensor, requantize, tiny_random_gguf
+from gguf_models import Tensor, tiny_random_gguf
 from llama_cpp import Llama
 from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running
 from test_pipeline import MAX_TOKENS, SMOLLM2_SPLITS
@@ -41,8 +41,8 @@ from test_pipeline import requests as pipeline_requests
 
 from edgebus.ask import ask
 from edgebus.core.errors import EngineError
+from edgebus.core.frames import MAX_DECODE_POSITIONS
 from edgebus.core.messages import GenerateRequest, GenerateResponse
-from edgebus.core.paths import GGUF_FILE
 from node_agent.engines import (
     INIT_KV_REQUESTS,
     ContextShape,
@@ -396,25 +396,6 @@ def _assert_chain_is_whole(model: Path, layers: int, splits: list[tuple[int, int
             stage.close()
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_in(tiny_llama_gguf: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """The tiny Llama's GGUF in a block type: its own F16 file, or that rewritten once per
-    module (`requantize`), for the tests that chain, batch and regroup rows of each type."""
-    source = tiny_llama_gguf / GGUF_FILE
-    made: dict[str, Path] = {"F16": source}
-    folder = tmp_path_factory.mktemp("block-types")
-    reader = gguf.GGUFReader(str(source))
-
-    def in_type(qtype: str) -> Path:
-        if qtype not in made:
-            made[qtype] = requantize(source, folder / f"{qtype}.gguf",
-                                     gguf.GGMLQuantizationType[qtype], reader)
-        return made[qtype]
-
-    return in_type
-
-
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16"])
 def test_every_block_type_splits_exactly(tiny_llama_in: Callable[[str], Path],
                                          qtype: str) -> None:
@@ -476,16 +457,63 @@ def test_decode_rows_with_gapped_sequence_ids_run_as_one_pass_and_exactly(
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "F16"])
+def test_a_frame_of_several_positions_computes_what_one_position_calls_do(
+        tiny_llama_in: Callable[[str], Path], qtype: str) -> None:
+    """`verify`, a request's token and the drafts behind it: one call of up to `exact_rows`
+    positions (measured at load on this CPU), else a call a position, and either way bit for
+    bit the hidden states and logits of one-position decode steps. The measure is the truth:
+    where it is below MAX_DECODE_POSITIONS, one call of a position more does differ."""
+    model = tiny_llama_in(qtype)
+    for first, end in ((0, 3), (3, 6)):
+        engine = load_engine(model, first, end, weights="gguf", threads=1, shape=SMALL)
+        try:
+            positions = 2 + MAX_DECODE_POSITIONS
+            if first == 0:
+                x = np.array([[1, 9690, 198, 2683, *range(40, 40 + positions - 4)]])
+            else:
+                x = np.random.default_rng(1).standard_normal(
+                    (1, positions, engine.config.hidden_size)).astype(np.float32)
+            rows = engine.exact_rows
+            assert 1 <= rows <= MAX_DECODE_POSITIONS
+            assert engine.describe()["exact_rows"] == rows
+            for count in sorted({2, rows, MAX_DECODE_POSITIONS}):
+                assert np.array_equal(_after_two(engine, x, count, "verify"),
+                                      _after_two(engine, x, count, "one by one")), count
+            if rows < MAX_DECODE_POSITIONS:
+                assert not np.array_equal(_after_two(engine, x, rows + 1, "one call"),
+                                          _after_two(engine, x, rows + 1, "one by one"))
+        finally:
+            engine.close()
+
+
+def _after_two(engine: Any, x: np.ndarray, count: int, how: str) -> np.ndarray:
+    """Positions 2 .. 2 + count of `x` after the first two, computed `how`: by `verify`, in
+    one llama.cpp call, or one position a call."""
+    cache = engine.new_cache(0)
+    try:
+        engine.run([x[:, :2]], [cache], [0])
+        xs = x[:, 2:2 + count]
+        if how == "verify":
+            return np.asarray(engine.verify(xs, cache, 2))
+        if how == "one call":
+            return np.asarray(engine._call([xs], [cache], [2], [True], every_row=True)[0])
+        outs = [engine.run([xs[:, i:i + 1]], [cache], [2 + i])[0] for i in range(count)]
+        return np.concatenate(outs, axis=0 if engine.slice.has_head else 1)
+    finally:
+        engine.free_cache(cache)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "F16"])
 def test_decode_rows_in_a_batch_compute_what_each_computes_alone(
         tiny_llama_in: Callable[[str], Path], qtype: str) -> None:
-    """Whatever the block type: on this EPYC, F16 rows in one call are not bitwise the rows
-    alone (llamafile's sgemm takes products of 2 rows and more), Q4_1 rows are. The engine
-    finds out at load, and runs F16 decode rows one call each, so that a request's logits
-    never depend on who shares its step."""
+    """Whatever the block type and the CPU: on x86, F16 rows in one call are not bitwise the
+    rows alone (llamafile's sgemm takes products of 2 rows and more), Q4_1 rows are (on the
+    Xeon VM up to 16, docs/row-exactness.md). The engine finds out at load how many rows one
+    call keeps exact (`exact_batch`), and runs decode rows in calls of at most that many, so
+    that a request's logits never depend on who shares its step."""
     model = tiny_llama_in(qtype)
     batched = load_engine(model, 0, 6, weights="gguf", threads=1, shape=SMALL)
     alone = load_engine(model, 0, 6, weights="gguf", threads=1, shape=SMALL)
-    assert batched.batch_invariant == (qtype == "Q4_1")  # type: ignore[attr-defined]
     prompts = [np.array([[1, 9690, 198, 2683 + i]]) for i in range(4)]
     rows = [batched.new_cache(0) for _ in prompts]
     try:

@@ -89,6 +89,11 @@ MAX_ERROR_BYTES = 1024
 # Most decode rows a stage runs as one forward pass (node_agent/stage.py); a
 # batch's output message carries at most one frame per row and one prompt chunk.
 MAX_BATCH_ROWS = 32
+# Most positions a decode frame carries: a request's token and the drafts behind it, which
+# the stages verify in one call where their rows stay exact (node_agent/speculation.py).
+# A k-row call costs about k/2 one-row steps at 8 rows on a 2-core EPYC (4.9x one row), and
+# prompt lookup rarely gets a longer run of drafts taken.
+MAX_DECODE_POSITIONS = 8
 # Bytes a frame's dtype may take per element at most: float32 activations
 # (wire_dtype float16 halves it, token ids are int32 too).
 _WIDEST_ITEM = 4
@@ -166,6 +171,11 @@ class Frame:
     busy: bool = False  # ... once the stage has room again: a refusal for lack of it
     rollback: bool = False  # drop the positions from `start` on first (rejected drafts)
 
+    @property
+    def verifies(self) -> bool:
+        """A decode frame of several positions: a token and the drafts behind it."""
+        return not self.prefill and self.count > 1
+
     def array(self) -> np.ndarray:
         """The payload as a writable numpy array of its own (TOKENS int32, HIDDEN float16 or
         float32; bfloat16 comes as the float32 it widens to exactly)."""
@@ -225,11 +235,12 @@ def encode(kind: Kind, tensor: np.ndarray | torch.Tensor, header: Header, *, sta
 
 def encode_candidates(ids: np.ndarray, logits: np.ndarray, header: Header, *,
                       start: int) -> bytes:
-    """Frame the last stage's top-k: ids and logits are [rows, k]."""
+    """Frame the last stage's top-k: ids and logits are [rows, k], a row per position
+    computed (several for a decode frame of a token and its drafts)."""
     payload = (np.ascontiguousarray(ids, dtype="<i4").tobytes()
                + np.ascontiguousarray(logits, dtype="<f4").tobytes())
     return _pack(Kind.CANDIDATES, DType.CANDIDATES, memoryview(payload), tuple(ids.shape),
-                 header, start=start, count=1, candidates=ids.shape[-1])
+                 header, start=start, count=ids.shape[0], candidates=ids.shape[-1])
 
 
 def encode_release(header: Header) -> bytes:
@@ -302,8 +313,10 @@ def stage_limits(*, prefill_chunk: int, hidden: int, max_in_flight: int,
 
 def coordinator_limits(*, vocab: int, max_in_flight: int, stages: int) -> FrameLimits:
     """What the coordinator takes: CANDIDATES (at most the whole vocabulary, when a request
-    asks top_k that high; 8 bytes each) and ERROR frames."""
-    return FrameLimits(max(vocab * _ITEM_SIZE[DType.CANDIDATES], MAX_ERROR_BYTES),
+    asks top_k that high; 8 bytes each) for each position of a decode frame, and ERROR
+    frames."""
+    return FrameLimits(max(vocab * _ITEM_SIZE[DType.CANDIDATES] * MAX_DECODE_POSITIONS,
+                           MAX_ERROR_BYTES),
                        frames_per_message(max_in_flight), stages)
 
 

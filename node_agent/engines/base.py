@@ -98,6 +98,10 @@ class StageEngine(ABC):
     # How its kernel options were chosen: "measured" or "cached" (tuning.py), "fixed"
     # (one candidate), or "default".
     tuned = "default"
+    # Positions of one request that one call computes bitwise as one-position calls do,
+    # measured at load by an engine whose kernels allow it (llamacpp/engine.py). At 1 every
+    # position of a decode frame of several (a token and its drafts) is a call of its own.
+    exact_rows = 1
 
     @property
     @abstractmethod
@@ -130,6 +134,15 @@ class StageEngine(ABC):
         outs = self.step([torch.from_numpy(x) for x in xs], caches, starts, logits)
         # bfloat16 widens to float32 exactly; numpy has no bfloat16.
         return [None if out is None else out.to(torch.float32).numpy() for out in outs]
+
+    def verify(self, x: np.ndarray, cache: Any, start: int) -> np.ndarray:
+        """Positions [start, start + T) of one request, a token and the drafts behind it, each
+        computed bitwise as a one-position decode step computes it: [1, T, H] hidden states, or
+        on the last stage [T, V] logits, a row per position. Here T one-position calls; an
+        engine computes up to `exact_rows` of them in one."""
+        outs = [self.run([x[:, i:i + 1]], [cache], [start + i])[0] for i in range(x.shape[1])]
+        return np.concatenate([out for out in outs if out is not None],
+                              axis=0 if self.slice.has_head else 1)
 
     def new_cache(self, epoch: int) -> Cache:
         """An empty cache for a request's route `epoch`, or CacheFull."""

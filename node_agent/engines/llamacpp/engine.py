@@ -14,30 +14,27 @@ output and stops the graph, so a stage that is not last never computes the
 final norm or the LM head.
 
 Exactness: the context keeps one KV stream per sequence (`kv_unified =
-false`), with which a row's result does not depend on the other rows of its
-batch, bit for bit. What does change results is how one sequence's positions
-are grouped into calls: k positions in one call are not bitwise equal to k
-one-position calls. So:
-- decode rows (one position each, of different requests) run as one call,
-  with their sequence ids ascending: llama.cpp's split keeps ascending,
-  consecutive ids in one micro-batch, and the rows in batch order. Ids with
-  gaps it splits into one micro-batch per run of consecutive ids, each
-  reading every weight again, so before such a call the engine moves
-  sequences to make the rows' ids one run (`_contiguous`);
-- a prompt chunk runs in a call of its own, all its positions at once, as the
-  whole model run in one process with the same chunks computes it. In one
-  call with decode rows, llama.cpp would split it anyway (one position beside
-  the decode rows, the rest after: llama-batch.cpp, split_equal), so the
-  separate call reads the weights no more often.
-
-Batch invariance depends on the block types and the CPU, so the engine measures
-it at load (`_rows_stay_exact_in_batches`). On the EPYC, Q4_0, Q4_1 and Q8_0
-rows are bitwise the same alone and in a batch; F16 and BF16 rows are not: ggml
-hands a matrix product of 2 rows or more to llamafile's sgemm, which sums in
-another order than the one-row path (sgemm.cpp: "only enable sgemm for prompt
-processing"), 0.02 apart on SmolLM2's logits. Where the probe finds a
-difference, each decode row runs as its own call: exact, but every request's
-row reads the weights again.
+false`), with which a row's attention does not depend on the other rows of its
+batch, bit for bit. Its matrix products may: ggml hands a product of several
+rows to other kernels than one row's where it has them, and some sum in another
+order (which, depends on the block type and the CPU: docs/row-exactness.md). So
+the engine measures two things at load, and calls llama.cpp only in ways it
+found exact:
+- `exact_batch`: how many decode rows of as many sequences one call computes,
+  each as it is alone (`_exact_batch`). Decode rows of many requests run in
+  calls of at most that many rows, sequence ids ascending: llama.cpp's split keeps ascending,
+  consecutive ids in one micro-batch and the rows in batch order. Ids with gaps
+  it splits into one micro-batch per run of consecutive ids, each reading every
+  weight again, so before such a call the engine moves sequences to make the
+  rows' ids one run (`_contiguous`).
+- `exact_rows`: how many positions of one sequence one call computes as as many
+  one-position calls (`_exact_rows`). A decode frame of a token and its drafts
+  (`verify`) is one call up to that many positions, else one call a position.
+A prompt chunk runs in a call of its own, all its positions at once, as the
+whole model run in one process with the same chunks computes it. In one call
+with decode rows, llama.cpp would split it anyway (one position beside the
+decode rows, the rest after: llama-batch.cpp, split_equal), so the separate
+call reads the weights no more often.
 """
 
 from __future__ import annotations
@@ -54,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgebus.core.errors import EngineError
+from edgebus.core.frames import MAX_DECODE_POSITIONS
 from node_agent.engines.base import CacheFull, ContextShape, StageEngine, StageSlice
 from node_agent.engines.llamacpp import library, stage_gguf
 from node_agent.memory import return_freed_memory
@@ -72,9 +70,9 @@ if TYPE_CHECKING:
 # Flash attention off: the exactness tests and the batch invariance measured
 # with the prototype hold for llama.cpp's plain attention path.
 FLASH_ATTN = 0
-# Rows the load-time probe batches: the bench's 16 concurrent requests. Kernels pick
-# their tiling by the row count (ggml's repacked ARM kernels go from gemv to gemm at 4),
-# so the probe tries as many rows as a stage batches in practice.
+# Rows the load-time probe batches at most: the bench's 16 concurrent requests. Kernels
+# pick their tiling by the row count (ggml's repacked ARM kernels go from gemv to gemm at
+# 4), so the probe tries as many rows as a stage batches in practice.
 PROBE_ROWS = 16
 
 
@@ -185,7 +183,8 @@ class LlamaCppEngine(StageEngine):
         self._memory = lowlevel.llama_get_memory(self._context)
         self._batch = _Batch(lowlevel, rows)
         # A profiling engine (observer) times single requests and never batches.
-        self.batch_invariant = observer is not None or self._rows_stay_exact_in_batches()
+        self.exact_batch = PROBE_ROWS if observer is not None else self._exact_batch()
+        self.exact_rows = 1 if observer is not None else self._exact_rows()
 
     @property
     def param_bytes(self) -> int:
@@ -194,7 +193,8 @@ class LlamaCppEngine(StageEngine):
     def describe(self) -> dict[str, str | int | float]:
         return {"engine": self.name, "weights": "gguf", "device": self.device,
                 "threads": self.threads, "tuned": self.tuned, "weight_bytes": self.param_bytes,
-                "sequences": self.max_sequences, "batch_invariant": self.batch_invariant}
+                "sequences": self.max_sequences, "exact_batch": self.exact_batch,
+                "exact_rows": self.exact_rows}
 
     def kv_bytes_per_token(self) -> int:
         return self.kv_per_position
@@ -278,31 +278,80 @@ class LlamaCppEngine(StageEngine):
         seq.seq_id = dst
         self.moves += 1
 
-    def _rows_stay_exact_in_batches(self) -> bool:
-        """Whether decode rows of several sequences in one call compute, bit for bit, what
-        each computes alone: run PROBE_ROWS one-position rows alone, then together."""
-        count = min(PROBE_ROWS, self.max_sequences, self._batch.capacity)
-        if count < 2:
-            return True
+    def _exact_batch(self) -> int:
+        """The most one-position rows of as many sequences that one call computes bitwise as
+        each alone: PROBE_ROWS together first (every row exact, the common case, costs one
+        call); else 2, 3, ... up to the first count that differs. Measured, never assumed
+        past PROBE_ROWS: a bigger batch runs as calls of that many rows."""
+        most = min(PROBE_ROWS, self.max_sequences, self._batch.capacity)
+        if most < 2:
+            return 1
         if self.slice.has_embedding:
-            xs = [np.array([[token]]) for token in range(1, count + 1)]
+            xs = [np.array([[token]]) for token in range(1, most + 1)]
         else:
             rng = np.random.default_rng(0)
             xs = [rng.standard_normal((1, 1, self.hidden)).astype(np.float32)
-                  for _ in range(count)]
-        seqs = [SeqCache(seq_id, 0, self.kv_per_position) for seq_id in range(count)]
-        try:
-            alone = [self._call([x], [seq], [0], [True])[0] for x, seq in zip(xs, seqs,
-                                                                                 strict=True)]
+                  for _ in range(most)]
+        seqs = [SeqCache(seq_id, 0, self.kv_per_position) for seq_id in range(most)]
+
+        def clear() -> None:
             for seq in seqs:
                 self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
                 seq.held = 0
-            together = self._call(xs, seqs, [0] * count, [True] * count)
+
+        def exact(count: int) -> bool:
+            clear()
+            together = self._call(xs[:count], seqs[:count], [0] * count, [True] * count)
+            return all(a is not None and b is not None and np.array_equal(a, b)
+                       for a, b in zip(alone, together, strict=False))
+
+        try:
+            alone = [self._call([x], [seq], [0], [True])[0] for x, seq in zip(xs, seqs,
+                                                                                 strict=True)]
+            if exact(most):
+                return most
+            count = 1
+            while count + 1 < most and exact(count + 1):
+                count += 1
+            return count
         finally:
-            for seq in seqs:
-                self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
-        return all(a is not None and b is not None and np.array_equal(a, b)
-                   for a, b in zip(alone, together, strict=True))
+            clear()
+
+    def _exact_rows(self) -> int:
+        """The most positions of one sequence that one call computes bitwise as one-position
+        calls: after one position of history, 2, 3, ... positions in one call against the
+        same positions one call each, up to the first count that differs. Every count is
+        tried, since kernels take rows in blocks (ggml's repacked ARM kernels in fours, the
+        rest one by one): 4 rows may differ where 5 do not."""
+        most = min(MAX_DECODE_POSITIONS, self._batch.capacity)
+        if most < 2:
+            return 1
+        if self.slice.has_embedding:
+            x = np.arange(1, most + 2, dtype=np.int64)[None]
+        else:
+            x = np.random.default_rng(0).standard_normal((1, most + 1, self.hidden)).astype(
+                np.float32)
+        seq = SeqCache(0, 0, self.kv_per_position)
+        axis = 0 if self.slice.has_head else 1
+
+        def clear() -> None:
+            self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
+            seq.held = 0
+
+        try:
+            alone = [self._call([x[:, i:i + 1]], [seq], [i], [True])[0] for i in range(most + 1)]
+            exact = 1
+            for count in range(2, most + 1):
+                clear()
+                self._call([x[:, :1]], [seq], [0], [True])
+                rows = self._call([x[:, 1:count + 1]], [seq], [1], [True], every_row=True)[0]
+                expected = np.concatenate([a for a in alone[1:count + 1] if a is not None], axis)
+                if rows is None or not np.array_equal(rows, expected):
+                    break
+                exact = count
+        finally:
+            clear()
+        return exact
 
     # -- forward passes ------------------------------------------------------------
 
@@ -322,12 +371,10 @@ class LlamaCppEngine(StageEngine):
         wanted = logits if logits is not None else [True] * len(xs)
         answer: list[np.ndarray | None] = [None] * len(xs)
         singles = [i for i, x in enumerate(xs) if x.shape[1] == 1]
-        if self.batch_invariant and len(singles) > 1:
+        if self.exact_batch > 1 and len(singles) > 1:
             self._contiguous([seqs[i] for i in singles])
             singles.sort(key=lambda i: seqs[i].seq_id)
-            calls = [singles]
-        else:
-            calls = [[i] for i in singles]
+        calls = _even_chunks(singles, self.exact_batch)
         calls += [[i] for i, x in enumerate(xs) if x.shape[1] > 1]
         for rows in calls:
             outputs = self._call([xs[i] for i in rows], [seqs[i] for i in rows],
@@ -336,9 +383,17 @@ class LlamaCppEngine(StageEngine):
                 answer[i] = out
         return answer
 
+    def verify(self, x: np.ndarray, cache: Any, start: int) -> np.ndarray:
+        if x.shape[1] > self.exact_rows or not isinstance(cache, SeqCache):
+            return super().verify(x, cache, start)
+        out = self._call([x], [cache], [start], [True], every_row=True)[0]
+        assert out is not None  # every row asked for
+        return out
+
     def _call(self, xs: list[np.ndarray], seqs: list[SeqCache], starts: list[int],
-              wanted: list[bool]) -> list[np.ndarray | None]:
-        """One llama_decode of these rows, in this order."""
+              wanted: list[bool], *, every_row: bool = False) -> list[np.ndarray | None]:
+        """One llama_decode of these rows, in this order. The last stage returns the logits
+        of each sequence's last position, or with `every_row` of all its positions."""
         lowlevel, batch = self._llama, self._batch
         lengths = [x.shape[1] for x in xs]
         total = sum(lengths)
@@ -356,8 +411,10 @@ class LlamaCppEngine(StageEngine):
         else:
             self._hidden_in[:total] = np.concatenate([x[0] for x in xs])
             batch.embeddings(self._hidden_in)
+        firsts = last_rows + 1 - np.array(lengths) if every_row else last_rows
         if self.slice.has_head:
-            batch.outputs_at(total, [int(r) for r, w in zip(last_rows, wanted, strict=True) if w])
+            batch.outputs_at(total, [row for a, b, w in zip(firsts, last_rows, wanted, strict=True)
+                                     if w for row in range(int(a), int(b) + 1)])
         else:
             batch.outputs_at(total, range(total))  # the capture needs every row
             assert self._capture is not None
@@ -378,12 +435,13 @@ class LlamaCppEngine(StageEngine):
             bounds = np.concatenate([[0], last_rows + 1])
             return [hidden[None, a:b] for a, b in itertools.pairwise(bounds)]
         out: list[np.ndarray | None] = []
-        for row, want in zip(last_rows, wanted, strict=True):
+        for first, last, want in zip(firsts, last_rows, wanted, strict=True):
             if not want:
                 out.append(None)
                 continue
-            pointer = lowlevel.llama_get_logits_ith(self._context, int(row))
-            out.append(np.ctypeslib.as_array(pointer, shape=(self.vocab,)).copy()[None])
+            out.append(np.stack([np.ctypeslib.as_array(
+                lowlevel.llama_get_logits_ith(self._context, row), shape=(self.vocab,))
+                for row in range(int(first), int(last) + 1)]))
         return out
 
     def close(self) -> None:
@@ -393,6 +451,16 @@ class LlamaCppEngine(StageEngine):
         if self._model:
             self._llama.llama_model_free(self._model)
             self._model = None
+
+
+def _even_chunks(items: list[int], most: int) -> list[list[int]]:
+    """`items` in order, in as few runs of at most `most` as there can be, of even sizes: 8
+    rows where 7 stay exact go as 4 and 4, each run a call that reads every weight."""
+    parts = -(-len(items) // most)
+    if not parts:
+        return []
+    bounds = [len(items) * i // parts for i in range(parts + 1)]
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class _Batch:
