@@ -1,40 +1,45 @@
 """Pipelined speculation: drafts that keep a lone request's idle stages busy.
 
 With one request in flight, a token crosses the stages in turn and each box
-waits for the others. So the coordinator guesses the next tokens and sends
-each guess down the pipeline as a decode frame of its own, right behind the
-request's token (the PipeInfer idea, SC'24, on our bus):
+waits for the others. So the coordinator guesses the next tokens and sends them
+down the pipeline right behind the request's token: in the token's own frame,
+and in frames of drafts behind it (the PipeInfer idea, SC'24, on our bus):
 
-    coordinator ─ x_n (step s) ─ d_n+1 (s+1) ─ d_n+2 (s+2) ─> stage 0 ─> stage 1 ─> ...
+    coordinator ─ [x_n d_n+1] (step s) ─ [d_n+2 d_n+3] (s+1) ─> stage 0 ─> stage 1 ─> ...
 
-While stage 1 computes position n, stage 0 computes the draft at n+1. When
-the result for position n comes back, the coordinator samples x_n+1 as it
-always does. If it equals the draft d_n+1, that draft's frame is already on
-its way and its result is the next one to wait for: a token gained. If not,
-the drafts after position n are wrong. The coordinator sends x_n+1 with the
-*rollback* flag (edgebus/core/frames.py). Each stage drops what it holds from
-position n+1 on and computes the new frame. A draft still queued at a stage
-when its rollback arrives there is never computed (stage.py, `_superseded`).
+A frame of several positions is *verified* at each stage: computed in one call
+where the stage's rows stay exact (its engine's `exact_rows`, measured at load),
+else one call a position. The last stage returns candidates for every position.
+While stage 1 computes frame s, stage 0 computes frame s+1. When the result for
+position n comes back, the coordinator samples x_n+1 as it always does. If it
+equals the draft d_n+1, that position is computed already and its row is the
+next one to sample from: a token gained. If not, the drafts after position n are
+wrong. The coordinator sends x_n+1 with the *rollback* flag
+(edgebus/core/frames.py). Each stage drops what it holds from position n+1 on
+and computes the new frame. A draft still queued at a stage when its rollback
+arrives there is never computed (stage.py, `_superseded`).
 
-Exactness: every position, draft or not, is a one-position decode call of
-its request's sequence, as without speculation. A rolled-back position is
-computed again over the same cache as the first time (`truncate` in the
-engines). The logits of every accepted position are therefore bitwise the ones
-plain decoding computes. The coordinator samples them with the same random
-draws in the same order, so greedy and seeded output is the same with
-speculation on or off. That also holds the target distribution: a drafted
-token is taken exactly when sampling picks it. (For a draft that is one
-token, not a distribution, this is the standard rejection rule.) Batched
-verification of k positions in one call would be cheaper on one box, but it
-is not exact: its logits differ from one-position calls at near-ties
-(docs/architecture.md#pipelined-speculation).
+Exactness: every position, draft or not, is computed bitwise as a one-position
+decode call of its request's sequence computes it, as without speculation: one
+call of several positions only where the stage measured that this is so. A
+rolled-back position is computed again over the same cache as the first time
+(`truncate` in the engines). The logits of every accepted position are
+therefore bitwise the ones plain decoding computes. The coordinator samples
+them with the same random draws in the same order, so greedy and seeded output
+is the same with speculation on or off. That also holds the target
+distribution: a drafted token is taken exactly when sampling picks it. (For a
+draft that is one token, not a distribution, this is the standard rejection
+rule.)
 
 Drafts come from prompt lookup: the last n tokens of the request's text are
 looked up in its own earlier text, and what followed them there is the
 guess. No draft model: it pays where answers quote their input (alarm
 summaries, code edits). How many drafts ride ahead (`window`) adapts to how
 often they are taken; after a run of misses a request stops drafting for a
-while, so free text costs no more than a few probes.
+while, so free text costs no more than a few probes. How many positions a frame
+carries (`positions_per_frame`) spreads the window over as many frames as the
+route has stages, so that every stage has a frame to compute, and never past
+what every stage of the route verifies in one call.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from edgebus.core.frames import Frame
+from edgebus.core.frames import MAX_DECODE_POSITIONS, Frame
 from plant_config.schema import Speculation as Settings
 
 # Drafts a request keeps in flight at most, whatever the plant file asks: a stage
@@ -62,10 +67,12 @@ PAUSE_TOKENS = 32
 
 @dataclass
 class Draft:
-    """A drafted token in flight: the frame step it went as, and the token."""
+    """A drafted token in flight: the frame step it went in, the token, and its row of that
+    frame (and so of the frame's result)."""
 
     step: int
     token: int
+    row: int = 0
 
 
 @dataclass
@@ -75,7 +82,9 @@ class Drafts:
     settings: Settings
     window: int = 1
     ahead: list[Draft] = field(default_factory=list)  # in position order, after the token
-    arrived: dict[int, Frame] = field(default_factory=dict)  # results of drafts, by step
+    # Results of frames that carry drafts still in flight, by step: back before their
+    # token was sampled, or holding rows of drafts after the one being sampled.
+    arrived: dict[int, Frame] = field(default_factory=dict)
     proposed: int = 0
     accepted: int = 0
     rejected: int = 0
@@ -88,16 +97,19 @@ class Drafts:
     def __post_init__(self) -> None:
         self.window = min(self.settings.drafts, MAX_WINDOW)
 
-    def settle(self, token: int) -> int | None:
-        """The request's next token is `token`. Returns the step of the draft frame that
-        already carries it, or None: it must be sent, and if drafts were in flight, with
-        the rollback flag (`rolling_back` tells, before this call)."""
+    def settle(self, token: int) -> Draft | None:
+        """The request's next token is `token`. Returns the draft that already carries it
+        (its frame's step and row), or None: it must be sent, and if drafts were in flight,
+        with the rollback flag (`rolling_back` tells, before this call)."""
         if self.ahead and self.ahead[0].token == token:
             draft = self.ahead.pop(0)
             self.accepted += 1
             self._judge(True)
             self.window = min(self.window + 1, self.settings.drafts, MAX_WINDOW)
-            return draft.step
+            live = {draft.step, *(d.step for d in self.ahead)}
+            for step in [s for s in self.arrived if s not in live]:
+                del self.arrived[step]
+            return draft
         if self.ahead:
             self._judge(False)
             self.window = max(1, self.window // 2)
@@ -115,10 +127,16 @@ class Drafts:
         self.ahead.clear()
         self.arrived.clear()
 
-    def propose(self, text: Sequence[int], room: int) -> list[int]:
+    def positions_per_frame(self, stages: int, exact_rows: int) -> int:
+        """Positions a frame carries: the window spread over a frame per stage, so that
+        every stage computes one, each at most what every stage of the route verifies in
+        one call (`exact_rows`, the least of theirs)."""
+        return max(1, min(-(-self.window // stages), exact_rows, MAX_DECODE_POSITIONS))
+
+    def propose(self, text: Sequence[int], room: int, most: int = MAX_WINDOW) -> list[int]:
         """Tokens to draft after `text` (the request's tokens, then the drafts in flight),
-        to keep `window` in flight, at most `room`."""
-        want = min(self.window - len(self.ahead), room)
+        to keep `window` in flight, at most `room` and `most`."""
+        want = min(self.window - len(self.ahead), room, most)
         if want <= 0 or len(text) < self._paused_until:
             return []
         self._index_up_to(len(text) - len(self.ahead), text)

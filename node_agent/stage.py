@@ -53,7 +53,6 @@ import collections
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import aiomqtt
 import numpy as np
@@ -68,14 +67,12 @@ from node_agent.fit import check_fit
 from node_agent.memory import return_freed_memory
 from node_agent.reporter import Reporter
 from node_agent.runtime import presence, run_agent, serve_until, sparkplug_node
-from node_agent.sampling import top_candidates
 from node_agent.stage_inbox import InboxMessage, waiting_bytes, waiting_limit
+from node_agent.stage_io import WIRE_DTYPES, check_input, encode_output
 from plant_config import Plant
 
 log = logging.getLogger(__name__)
 
-_WIRE_DTYPES: dict[str, np.dtype[Any]] = {"float16": np.dtype(np.float16),
-                                           "float32": np.dtype(np.float32)}
 # Most decode rows batched into one forward pass. Past ~32 a CPU stage stops
 # gaining (the step turns compute-bound) while each row waits longer.
 MAX_BATCH = frames.MAX_BATCH_ROWS
@@ -121,7 +118,7 @@ class StageAgent:
             plant.model, *spec.layers, engine=spec.engine, weights=spec.weights,
             device=spec.device, shape=context_shape(plant, node_id))
         self.coordinator_topic = topics.activations(plant.coordinator.id)
-        self.wire_dtype = _WIRE_DTYPES[plant.wire_dtype]
+        self.wire_dtype = WIRE_DTYPES[plant.wire_dtype]
         self.kv_budget = spec.kv_budget_mb * 2**20
         self.kv_per_token = self.model.kv_bytes_per_token()
         # The coordinator gives up on a step after this long: a cache idle for
@@ -162,7 +159,9 @@ class StageAgent:
                         "decode_s": 0.0, "decode_steps": 0.0,
                         "skipped_frames": 0.0, "evicted": 0.0, "lost_frames": 0.0,
                         "bad_frames": 0.0, "refused_frames": 0.0, "unreadable_frames": 0.0,
-                        "rollbacks": 0.0, "cancelled_frames": 0.0}
+                        "rollbacks": 0.0, "cancelled_frames": 0.0,
+                        # decode frames of several positions, and those run a call a position
+                        "verify_frames": 0.0, "verify_positions": 0.0, "verify_split": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(node_id), f"{plant.plant_id}.{node_id}",
             subscriptions=[(topics.activations(node_id), 1)],
@@ -361,7 +360,8 @@ class StageAgent:
                     continue
                 # The route first: a frame that is not this node's must not make a cache.
                 topic = self._next_topic(frame)
-                rows.append((frame, self._check_input(frame), self._cache_for(frame), topic))
+                x = check_input(frame, self.model, self.index, self.plant.coordinator.prefill_chunk)
+                rows.append((frame, x, self._cache_for(frame), topic))
             except _Skip as exc:
                 self.metrics["skipped_frames"] += 1
                 log.debug("skipped frame of request %x: %s", frame.request, exc)
@@ -388,10 +388,7 @@ class StageAgent:
                  out: dict[str, list[bytes]], errors: list[str]) -> None:
         started = time.perf_counter()
         try:
-            # A prompt chunk before the last needs no logits: nothing is sampled from it.
-            outputs = self.model.run([row[1] for row in rows], [row[2] for row in rows],
-                                     [row[0].start for row in rows],
-                                     [row[0].candidates > 0 for row in rows])
+            outputs = self._outputs(rows)
         except Exception as exc:
             # A half-updated cache would poison every later step of these requests.
             reason = f"forward failed ({type(exc).__name__}: {exc})"
@@ -413,7 +410,30 @@ class StageAgent:
         for (frame, _, cache, topic), output in zip(rows, outputs, strict=True):
             cache.touched = now
             self._steps[frame.request] = frame.step
-            out[topic].append(self._encode(frame, output))
+            out[topic].append(encode_output(frame, output, self.model, self.wire_dtype))
+
+    def _outputs(self, rows: list[tuple[Frame, np.ndarray, Cache, str]]
+                 ) -> list[np.ndarray | None]:
+        """The engine's outputs for `rows`: decode rows and a prompt chunk as one pass, and
+        each decode frame of several positions (a token and its drafts) verified on its own:
+        one call where the engine's rows stay exact, else one call a position."""
+        together = [i for i, row in enumerate(rows) if not row[0].verifies]
+        outputs: list[np.ndarray | None] = [None] * len(rows)
+        if together:
+            # A prompt chunk before the last needs no logits: nothing is sampled from it.
+            computed = self.model.run([rows[i][1] for i in together],
+                                      [rows[i][2] for i in together],
+                                      [rows[i][0].start for i in together],
+                                      [rows[i][0].candidates > 0 for i in together])
+            for i, output in zip(together, computed, strict=True):
+                outputs[i] = output
+        for i, (frame, x, cache, _) in enumerate(rows):
+            if frame.verifies:
+                outputs[i] = self.model.verify(x, cache, frame.start)
+                self.metrics["verify_frames"] += 1
+                self.metrics["verify_positions"] += frame.count
+                self.metrics["verify_split"] += frame.count > self.model.exact_rows
+        return outputs
 
     def _superseded(self, frame: Frame) -> bool:
         """Whether a rollback that has already arrived replaces this draft: early
@@ -527,51 +547,6 @@ class StageAgent:
         if self.index == len(stages) - 1:
             return self.coordinator_topic
         return self.topics.activations(stages[self.index + 1].nodes[route[self.index + 1]].node)
-
-    def _encode(self, frame: Frame, out: np.ndarray | None) -> bytes:
-        """out: [1, T, H] hidden states, [1, V] logits, or None: a prompt chunk before the
-        last on the last stage, which sends nothing."""
-        header = Header.of(frame)
-        if out is None:
-            return b""
-        if not self.model.slice.has_head:
-            return frames.encode(Kind.HIDDEN, out.astype(self.wire_dtype, copy=False), header,
-                                 start=frame.start, candidates=frame.candidates,
-                                 prefill=frame.prefill, rollback=frame.rollback)
-        ids, logits = top_candidates(out, frame.candidates)
-        return frames.encode_candidates(ids, logits, header, start=frame.start)
-
-    def _check_input(self, frame: Frame) -> np.ndarray:
-        """The frame's tensor, or FrameError if it cannot be this stage's input."""
-        first = self.model.slice.has_embedding
-        expected = Kind.TOKENS if first else Kind.HIDDEN
-        if frame.kind != expected:
-            raise FrameError(f"stage {self.index} takes {expected.name} frames, got "
-                             f"{frame.kind.name}")
-        if frame.count < 1 or (not frame.prefill and frame.count != 1):
-            raise FrameError(f"{'prefill' if frame.prefill else 'decode'} frame carries "
-                             f"{frame.count} positions")
-        if frame.count > self.plant.coordinator.prefill_chunk:
-            raise FrameError(f"frame carries {frame.count} positions, more than the plant's "
-                             f"prefill_chunk of {self.plant.coordinator.prefill_chunk}: run the "
-                             "same plant file on every box")
-        if frame.candidates > self.model.config.vocab_size or (
-                not frame.prefill and frame.candidates == 0):
-            raise FrameError(f"asks for {frame.candidates} candidates")
-        x = frame.array()
-        if first:
-            if x.shape != (1, frame.count):
-                raise FrameError(f"token frame of shape {tuple(x.shape)}, expected "
-                                 f"(1, {frame.count})")
-            if int(x.min()) < 0 or int(x.max()) >= self.model.config.vocab_size:
-                raise FrameError("token id outside the vocabulary")
-            return x.astype(np.int64)
-        if x.shape != (1, frame.count, self.model.config.hidden_size):
-            raise FrameError(f"hidden-state frame of shape {tuple(x.shape)}, expected "
-                             f"(1, {frame.count}, {self.model.config.hidden_size})")
-        if not np.isfinite(x).all():
-            raise FrameError("hidden states hold NaN or Inf")
-        return x
 
 
 def _remember(memory: collections.OrderedDict[int, None], request: int) -> None:

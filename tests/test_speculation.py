@@ -20,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from signal import SIGKILL
 
 import aiomqtt
+import gguf
 import numpy as np
 import pytest
 from brokers import BrokerHandle, MosquittoBroker
+from gguf_models import requantize
 from pipeline import ask_all, plant_for, plant_reference, prompt_ids, running
 from plant_gateway import assert_exact, gateway, mid_generation, send
 from test_pipeline import TINY_SPLITS
@@ -36,6 +39,7 @@ from edgebus.ask import ask
 from edgebus.core import frames
 from edgebus.core.frames import Frame, Header, Kind
 from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
+from edgebus.core.paths import GGUF_FILE
 from edgebus.launcher import PlantProcesses
 from node_agent.engines import ContextShape, load_engine
 from node_agent.speculation import JUDGE_DRAFTS, PAUSE_TOKENS, Draft, Drafts
@@ -120,7 +124,7 @@ def test_the_window_grows_with_taken_drafts_and_halves_with_a_miss() -> None:
     drafts = Drafts(Speculation(drafts=4))
     drafts.window = 2
     drafts.ahead = [Draft(10, 5), Draft(11, 6)]
-    assert drafts.settle(5) == 10  # taken: its frame is already on its way
+    assert drafts.settle(5) == Draft(10, 5)  # taken: its frame is already on its way
     assert drafts.window == 3
     assert drafts.settle(7) is None  # missed: the rest is rolled back
     assert (drafts.window, drafts.ahead, drafts.accepted, drafts.rejected) == (1, [], 1, 1)
@@ -253,6 +257,36 @@ async def test_a_stage_drops_rejected_drafts_and_never_computes_superseded_ones(
         agent.model.close()
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "F16"])
+async def test_a_stage_verifies_a_token_and_its_drafts_as_one_position_steps(
+        tiny_llama_in: Callable[[str], Path], qtype: str) -> None:
+    """A decode frame of a token and three drafts computes what four one-position frames
+    do, bit for bit: in one call where the stage's rows stay exact (its engine's
+    `exact_rows`, measured at load on this CPU; on x86, Q4_1 up to 8 and F16 only 1), else
+    a call a position, which its status counts (`verify_split`)."""
+    plant = _stage_plant(tiny_llama_in(qtype))
+    agent = StageAgent(plant, "stage-0")
+    try:
+        prompt, ids = [5, 6, 7, 8], [9, 20, 21, 22]
+        for request in (1, 2):
+            agent._on_message(_message(plant, _tokens(request, 0, 0, prompt, prefill=True)))
+        await _run_inbox(agent)
+        agent._on_message(_message(plant, _tokens(1, 1, 4, ids)))
+        verified = await _run_inbox(agent)
+        for step, token in enumerate(ids):
+            agent._on_message(_message(plant, _tokens(2, 1 + step, 4 + step, [token])))
+        stepped = await _run_inbox(agent)
+        assert [(f.start, f.count) for f in verified] == [(4, len(ids))]
+        assert np.array_equal(verified[0].array(),
+                              np.concatenate([f.array() for f in stepped], axis=1))
+        rows = agent.model.describe()["exact_rows"]
+        metrics = agent._metrics()
+        assert (metrics["verify_frames"], metrics["verify_positions"]) == (1, len(ids))
+        assert metrics["verify_split"] == (len(ids) > int(rows))
+    finally:
+        agent.model.close()
+
+
 # -- plants ------------------------------------------------------------------------
 
 
@@ -282,6 +316,29 @@ async def test_drafts_change_no_token_through_any_split(
     accepted, rejected = _drafted(runs[0])
     assert accepted > 0 and rejected > 0, (accepted, rejected)
     assert rollbacks > 0
+
+
+async def test_a_token_and_its_drafts_leave_as_one_frame_where_stages_verify_rows(
+        drafting_llama: Path, amqtt_broker: BrokerHandle, tmp_path: Path) -> None:
+    """With every stage verifying several positions in one call (Q4_1, on a CPU where its
+    rows stay exact), the token and the drafts behind it leave as frames of several
+    positions, and the answers are still llama.cpp's, token for token. Where a stage's rows
+    do not stay exact (`exact_rows` 1), no such frame leaves at all."""
+    model = requantize(drafting_llama / GGUF_FILE, tmp_path / "drafting-Q4_1.gguf",
+                       gguf.GGMLQuantizationType.Q4_1)
+    plant = _plant(model, amqtt_broker, SPLITS["2-stages"], Speculation(drafts=4))
+    reqs = quoting()
+    async with running(plant) as stages:
+        responses = [await ask(plant, r, client_id="gw") for r in reqs]
+        rows = min(s.model.exact_rows for s in stages)
+        verified = sum(s.metrics["verify_frames"] for s in stages)
+        split = sum(s.metrics["verify_split"] for s in stages)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.error is None, response.error
+        assert response.tokens == plant_reference(plant, request), request.id
+    accepted, rejected = _drafted(responses)
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
+    assert (verified > 0) == (rows > 1) and split == 0, (rows, verified, split)
 
 
 async def test_torch_stages_roll_back_drafts_exactly_too(

@@ -37,38 +37,52 @@ class Drafting:
         """Whether drafts would fill idle stages: few enough requests are in flight."""
         return len(self._active) <= self.settings.max_in_flight
 
-    def feed(self, gen: Generation, drafts: Drafts, first: str, candidates: int) -> None:
+    def feed(self, gen: Generation, drafts: Drafts, first: str, candidates: int, *,
+             exact_rows: int) -> None:
         """The decode step of a request that drafts: its token, unless a draft already
-        carries it, then new drafts to keep `drafts.window` in flight.
+        carries it, with drafts behind it in its frame, then frames of drafts to keep
+        `drafts.window` in flight. `exact_rows`: the positions every stage of the route
+        verifies in one call.
 
         Each frame leaves as a message of its own, at once, outside the groups: a stage
-        computes a message's rows as one batch, and the drafts must follow their
-        token one position at a time, in order (node_agent/speculation.py).
+        computes a message's rows as one batch, and the frames must follow their token in
+        order (node_agent/speculation.py).
         """
         token, position = gen.history[-1], len(gen.history) - 1
         rolling_back = drafts.rolling_back
         carried = drafts.settle(token)
+        per_frame = drafts.positions_per_frame(len(gen.nodes), exact_rows)
+        may_draft = self.may_draft()
+        # The last position a frame of this request may need: its KV reservation's end.
+        room = gen.max_len - 1
         if carried is not None:
-            gen.step = carried
+            gen.step, gen.row = carried.step, carried.row
         else:
             self._outbox.leave(gen.seq)  # its frames now leave in order, outside a group
-            gen.step = gen.new_step()
+            gen.step, gen.row = gen.new_step(), 0
             drafts.runs += 1
-            self._publish(first, frames.encode(
-                Kind.TOKENS, np.array([[token]]), gen.header(), start=position,
-                candidates=candidates, rollback=rolling_back))
-        if not self.may_draft():
+            behind = (drafts.propose(gen.history, room - len(gen.history), per_frame - 1)
+                      if may_draft else [])
+            self._send(gen, drafts, first, candidates, [token, *behind], position, gen.step,
+                       drafted_from=1, rollback=rolling_back)
+        if not may_draft:
             return
         text = [*gen.history, *(d.token for d in drafts.ahead)]
-        # The last position a frame of this request may need: its KV reservation's end.
-        room = gen.max_len - 1 - len(text)
-        for token in drafts.propose(text, room):
-            step = gen.new_step()
-            drafts.ahead.append(Draft(step, token))
-            self._publish(first, frames.encode(
-                Kind.TOKENS, np.array([[token]]), gen.header(step), start=len(text),
-                candidates=candidates))
-            text.append(token)
+        while proposal := drafts.propose(text, room - len(text), per_frame):
+            self._send(gen, drafts, first, candidates, proposal, len(text), gen.new_step(),
+                       drafted_from=0)
+            text += proposal
+
+    def _send(self, gen: Generation, drafts: Drafts, first: str, candidates: int,
+              tokens: list[int], start: int, step: int, *, drafted_from: int,
+              rollback: bool = False) -> None:
+        """One frame of `tokens` from position `start`, as `step`; those from row
+        `drafted_from` on are drafts, in flight until their tokens are sampled."""
+        drafts.ahead += [Draft(step, token, row) for row, token in enumerate(tokens)
+                         if row >= drafted_from]
+        self._publish(first, frames.encode(Kind.TOKENS, np.array([tokens]), gen.header(step),
+                                           start=start, candidates=candidates,
+                                           rollback=rollback))
 
     def done(self, gen: Generation) -> SpeculationUsage | None:
         """Count what drafting did for a request that ended; drafts still in flight were

@@ -27,6 +27,7 @@ class Generation:
     prompt_len: int  # positions of `history` that are the prompt
     seq: int = field(default_factory=lambda: secrets.randbits(63))
     step: int = 0  # of the frame whose result is awaited
+    row: int = 0  # the awaited position's row of that result (a frame of drafts has several)
     steps: int = 0  # steps taken: every frame sent gets a new one (see frames.py)
     epoch: int = 0
     route: tuple[int, ...] = ()  # replica index per stage; () before the first routing

@@ -32,6 +32,8 @@ class NodeHealth:
     seen: float = 0.0  # time.monotonic() of its last sign of life
     session: tuple[str, int, int] | None = None  # (host, pid, bdseq) of its MQTT session
     held: int = 0  # KV bytes reserved by requests routed through it
+    # Positions of one request it verifies in one call (its engine's, in its status).
+    exact_rows: int = 1
 
 
 class Routes:
@@ -109,6 +111,10 @@ class Routes:
                                   f"request {gen.request.id} on {', '.join(gen.nodes)} "
                                   f"({replay})", gen.request.id)
 
+    def exact_rows(self, gen: Generation) -> int:
+        """Positions of one request every node of `gen`'s route verifies in one call."""
+        return min((self.health[node].exact_rows for node in gen.nodes), default=1)
+
     def unroute(self, gen: Generation) -> None:
         """Give back `gen`'s KV reservations and let its route's nodes free the caches."""
         self._outbox.leave(gen.seq)
@@ -143,6 +149,10 @@ class Routes:
             # sent to it meanwhile are gone; a new process has no caches at all.
             self._fail_over(node_id, "reconnected")
         node.session = session
+        rows = (status.engine or {}).get("exact_rows", 1)
+        # What it says bounds only the frames sent to it: a stage verifies exactly whatever
+        # it is sent (stage.py), so a status that says too much costs speed, never a token.
+        node.exact_rows = rows if isinstance(rows, int) and rows >= 1 else 1
         self._set_alive(node_id, now - node.seen < self.liveness.timeout_s, "is stale")
 
     async def watch_heartbeats(self) -> None:

@@ -167,7 +167,8 @@ class TokenLoop:
             while True:
                 result = await self._step(gen, candidates=k)
                 cand_ids, cand_logits = result.candidates_arrays()
-                token = sample_token(cand_ids[0], cand_logits[0], temperature=request.temperature,
+                token = sample_token(cand_ids[gen.row], cand_logits[gen.row],
+                                     temperature=request.temperature,
                                      top_k=request.top_k, top_p=request.top_p, rng=rng)
                 ttft = ttft if ttft is not None else time.perf_counter() - received
                 tokens.append(token)
@@ -221,7 +222,7 @@ class TokenLoop:
             gen.result = result = asyncio.get_running_loop().create_future()
             positions = len(gen.history) - gen.synced
             self._feed(gen, candidates)
-            if gen.drafts is not None and (early := gen.drafts.arrived.pop(gen.step, None)):
+            if gen.drafts is not None and (early := gen.drafts.arrived.get(gen.step)):
                 self._resolve(gen, result, early)
             sent = time.monotonic()
             stall = (self._pace.stall_after(positions, self._in_flight)
@@ -279,14 +280,15 @@ class TokenLoop:
         todo, start = gen.history[gen.synced:], gen.synced
         if gen.synced and len(todo) == 1:  # a decode step
             if gen.drafts is not None and (gen.drafts.ahead or self._drafting.may_draft()):
-                self._drafting.feed(gen, gen.drafts, first, candidates)
+                self._drafting.feed(gen, gen.drafts, first, candidates,
+                                    exact_rows=self._routes.exact_rows(gen))
                 return
-            gen.step = gen.new_step()
+            gen.step, gen.row = gen.new_step(), 0
             self._outbox.step(gen.seq, first, frames.encode(
                 Kind.TOKENS, np.array([todo]), gen.header(), start=start,
                 candidates=candidates))
             return
-        gen.step = gen.new_step()
+        gen.step, gen.row = gen.new_step(), 0
         header = gen.header()
         if gen.drafts is not None:
             gen.drafts.forget()  # a replay: they went down the old route
@@ -355,11 +357,9 @@ class TokenLoop:
             if gen is None or frame.epoch != gen.epoch:
                 continue  # a request that ended, or an old route
             drafts = gen.drafts
-            if (drafts is not None and frame.step != gen.step
-                    and any(d.step == frame.step for d in drafts.ahead)):
-                # A draft's result, back before its token was sampled: kept for then.
+            if drafts is not None and any(d.step == frame.step for d in drafts.ahead):
+                # Rows of drafts, back before their tokens are sampled: kept for then.
                 drafts.arrived[frame.step] = frame
-                continue
             # Stale results (a rejected draft, a duplicate) are dropped.
             if frame.step != gen.step or gen.result is None or gen.result.done():
                 continue
@@ -368,9 +368,10 @@ class TokenLoop:
     def _resolve(self, gen: Generation, result: asyncio.Future[Frame], frame: Frame) -> None:
         """Hand the result `frame` of `gen`'s awaited step to its task."""
         if frame.kind == Kind.CANDIDATES:
-            if len(frame.shape) != 2 or frame.shape[0] != 1 or frame.shape[1] < 1:
+            if len(frame.shape) != 2 or frame.shape[0] <= gen.row or frame.shape[1] < 1:
                 self._reporter.report("error", f"dropped a result of shape {frame.shape} "
-                                      f"for request {gen.request.id}: not [1, k]")
+                                      f"for request {gen.request.id}: not [rows, k] with "
+                                      f"a row {gen.row}")
                 return
             result.set_result(frame)
         elif frame.kind == Kind.ERROR and frame.retry:
