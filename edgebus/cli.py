@@ -541,10 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "wins)")
     p.add_argument("--prompt-file", metavar="FILE",
                    help="send these requests instead of the built-in prompts: one prompt per "
-                        "line, or (FILE.json, or content starting with '[') a JSON list of "
-                        "prompts and request objects ({\"messages\": [...], \"max_tokens\": "
-                        "N}); sent in order, again from the first where --requests is more "
-                        "than the file holds (docs/rehearse.md)")
+                        "line, or (FILE.json, or content starting with '[' unless FILE.txt) a "
+                        "JSON list of prompts and request objects ({\"messages\": [...], "
+                        "\"max_tokens\": N}); sent in order, again from the first where "
+                        "--requests is more than the file holds (docs/rehearse.md)")
     p.add_argument("--compare-even", action="store_true",
                    help="also rehearse an even split of the same boxes and compare")
     p.add_argument("--compare-one-box", metavar="BOX",
