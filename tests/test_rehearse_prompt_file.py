@@ -104,6 +104,10 @@ def test_content_starting_with_a_bracket_is_json_unless_named_txt(tmp_path: Path
      "requests, not an object ({\"messages\": [{\"role\": \"system\", \"conten...); an "
      "item is a "
      "prompt (a string) or a request object such as"),
+    ("long.json", '[{"prompt": "a", "max_tokens": 1' + "0" * 5000 + "}]",
+     "holds a number of 5001 characters; a request's numbers have at most 40"),
+    ("deep.json", "[" * 100_000 + "]" * 100_000, "nests lists or objects deeper than the JSON "
+     "parser follows"),
     ("latin1.txt", "Druckabfall an Presse 3 \u2013 Ursachen?".encode("cp1252"),
      "is not UTF-8 (invalid start byte at byte 24): save it as UTF-8"),
 ])

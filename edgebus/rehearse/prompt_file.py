@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from edgebus.core.errors import PromptFileError, RequestError
-from edgebus.core.messages import GenerateRequest, parse_request
+from edgebus.core.messages import MAX_NUMBER_CHARS, GenerateRequest, parse_request
 from plant_config import Plant
 from plant_config.tasks import apply_task
 
@@ -112,17 +112,37 @@ def _json_list(path: Path, text: str) -> list[Any]:
     why = "" if named else (f" (it starts with {JSON_LIST_START!r}, so it is read as JSON; "
                             f"name it *{TEXT_SUFFIX} to read it as one prompt per line)")
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise PromptFileError(f"--prompt-file {path} is not valid JSON{why}: {exc.msg} at line "
                               f"{exc.lineno} column {exc.colno}") from None
-    except (ValueError, RecursionError) as exc:  # an integer past Python's digits, deep nesting
-        raise PromptFileError(f"--prompt-file {path} is not JSON a request can hold{why}: "
-                              f"{exc}") from None
+    except _LongNumber as exc:
+        raise PromptFileError(f"--prompt-file {path} holds a number of {exc.digits} "
+                              f"characters; a request's numbers have at most "
+                              f"{MAX_NUMBER_CHARS}") from None
+    except RecursionError:
+        raise PromptFileError(f"--prompt-file {path} nests lists or objects deeper than the JSON "
+                              "parser follows: a request is a flat object with a list of "
+                              "messages") from None
     if not isinstance(data, list):
         raise PromptFileError(f"--prompt-file {path}: a JSON prompt file is a list ([...]) of "
                               f"prompts and requests, not {_kind(data)}; {ITEM_SHAPE}")
     return data
+
+
+class _LongNumber(Exception):
+    def __init__(self, digits: int) -> None:
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _bounded_int(text: str) -> int:
+    # Refused before Python converts it, as parse_request refuses it: past 4300 digits
+    # int() raises a ValueError whose advice (sys.set_int_max_str_digits) is Python's, not
+    # the file's fix, and a long one costs time quadratic in its length.
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _LongNumber(len(text))
+    return int(text)
 
 
 def _request(where: str, item: object) -> GenerateRequest:
