@@ -369,7 +369,8 @@ def _rehearse(args: argparse.Namespace) -> None:
                       broker_box=args.broker_box, coordinator_box=args.coordinator_box)
     sys.exit(run_rehearse(Path(args.plant), options, requests=args.requests, tokens=args.tokens,
                           compare_even=args.compare_even, keep=args.keep,
-                          compare_one_box=args.compare_one_box))
+                          compare_one_box=args.compare_one_box,
+                          prompt_file=None if args.prompt_file is None else Path(args.prompt_file)))
 
 
 def _import_gguf(args: argparse.Namespace) -> None:
@@ -535,7 +536,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="box the coordinator runs on (default: the broker's)")
     p.add_argument("--requests", type=int, metavar="N",
                    help="concurrent requests (default 4 per stage: one batch per stage)")
-    p.add_argument("--tokens", type=int, default=48, help="tokens per request (default 48)")
+    p.add_argument("--tokens", type=int, default=48,
+                   help="tokens per request (default 48; a --prompt-file item's max_tokens "
+                        "wins)")
+    p.add_argument("--prompt-file", metavar="FILE",
+                   help="send these requests instead of the built-in prompts: one prompt per "
+                        "line, or (FILE.json, or content starting with '[' unless FILE.txt) a "
+                        "JSON list of prompts and request objects ({\"messages\": [...], "
+                        "\"max_tokens\": N}); sent in order, again from the first where "
+                        "--requests is more than the file holds (docs/rehearse.md)")
     p.add_argument("--compare-even", action="store_true",
                    help="also rehearse an even split of the same boxes and compare")
     p.add_argument("--compare-one-box", metavar="BOX",

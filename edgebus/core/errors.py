@@ -42,3 +42,7 @@ class RequestError(EdgebusError):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class PromptFileError(EdgebusError):
+    """A rehearsal's --prompt-file is unreadable, empty, or holds an item that is no request."""

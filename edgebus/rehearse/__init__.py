@@ -23,6 +23,7 @@ from pathlib import Path
 
 from edgebus.core.errors import EdgebusError
 from edgebus.rehearse.fit import check_boxes
+from edgebus.rehearse.prompt_file import FileRequest, check_for_plant, read_prompt_file
 from edgebus.rehearse.rehearsal import Options, Rehearsal
 from edgebus.rehearse.report import box_table, predict, summary
 from edgebus.rehearse.sizing import box_shares
@@ -77,10 +78,11 @@ def one_box_variant(plant: Plant, box: str, options: Options) -> tuple[Plant, Op
 
 async def rehearse_plant(plant: Plant, workdir: Path, options: Options, workload: Workload,
                          progress: Callable[[str], None], *,
-                         planned: dict[str, str] | None = None
+                         planned: dict[str, str] | None = None, source: str | None = None
                          ) -> tuple[Rehearsal, Measurement]:
     """Build `plant`'s boxes, run `workload` once warm, tear down; the measurement.
-    `planned`: what the plan counts for each node, in words, for the report of a death."""
+    `planned`: what the plan counts for each node, in words, for the report of a death;
+    `source`: the prompt file the workload's requests come from, for the progress line."""
     with Rehearsal(plant, workdir, options, progress=progress) as rehearsal:
         rehearsal.planned = planned or {}
         started = time.time()
@@ -91,7 +93,7 @@ async def rehearse_plant(plant: Plant, workdir: Path, options: Options, workload
             try:
                 progress("warming up")
                 await measure(rehearsal, client, Workload(1, WARMUP_TOKENS), "warmup-")
-                progress(f"workload: {workload.requests} requests x {workload.tokens} tokens")
+                progress(f"workload: {workload.describe(source)}")
                 measured = await measure(rehearsal, client, workload, "r-")
             except EdgebusError as exc:
                 raise EdgebusError("; ".join([str(exc), *map(rehearsal.describe_exit,
@@ -121,19 +123,28 @@ def clean_leftovers() -> int:
 
 
 def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, tokens: int,
-                 compare_even: bool, keep: bool, compare_one_box: str | None = None) -> int:
-    """The `edgebus rehearse` command; its exit status."""
+                 compare_even: bool, keep: bool, compare_one_box: str | None = None,
+                 prompt_file: Path | None = None) -> int:
+    """The `edgebus rehearse` command; its exit status. `prompt_file`: the requests to send
+    instead of the built-in prompts (prompt_file.py)."""
     from node_agent.costs import model_costs, profiled_model
 
     def progress(text: str) -> None:
         print(text, flush=True)
 
     plant = load_plant(plant_path)
+    # The file is checked before the profile and the boxes: a bad item costs seconds, not a
+    # rehearsal.
+    file_requests: tuple[FileRequest, ...] = ()
+    if prompt_file is not None:
+        file_requests = read_prompt_file(prompt_file)
+        check_for_plant(file_requests, plant)
     progress(f"cost model of {plant.model.name} (profiles the model once if not cached)")
     costs, _, _ = model_costs(profiled_model(
         plant.model, {resolve_engine(s.engine, s.weights) for s in plant.stages}))
     groups = options.batch_groups or len(plant.pipeline)
-    workload = Workload(requests or ROWS_PER_GROUP * groups, tokens)
+    workload = Workload(requests or ROWS_PER_GROUP * groups, tokens,
+                        file_requests=tuple(r.request for r in file_requests))
     variants = [("plant file", plant, options)]
     if compare_even:
         variants.append(("even split", even_variant(plant), options))
@@ -162,11 +173,12 @@ def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, to
                                                 for s in variant.stages))
             rehearsal, measured = asyncio.run(rehearse_plant(
                 variant, workdir / name.replace(" ", "-"), variant_options, workload, progress,
-                planned=planned))
+                planned=planned, source=None if prompt_file is None else str(prompt_file)))
             prediction = predict(rehearsal.plant, costs, rehearsal.shares, workload.requests,
                                  variant_options.batch_groups or len(variant.pipeline),
                                  rehearsal.broker_box, rehearsal.coordinator_box,
-                                 prompt_tokens=measured.prompt_tokens, tokens=workload.tokens)
+                                 prompt_tokens=measured.prompt_tokens,
+                                 tokens=workload.mean_tokens())
             results.append((name, measured, prediction))
             print(f"\n{name}: broker and coordinator on {rehearsal.broker_box}"
                   + (f" / {rehearsal.coordinator_box}"

@@ -49,11 +49,38 @@ class Workload:
     tokens: int = DEFAULT_TOKENS
     # Prompt text; None: the fixed PROMPTS in turn.
     prompt: str | None = None
+    # A prompt file's requests (prompt_file.py), sent in the file's order and again from the
+    # first where `requests` is more; they replace `prompt` and PROMPTS.
+    file_requests: tuple[GenerateRequest, ...] = ()
 
     def batch(self, prefix: str) -> list[GenerateRequest]:
-        return [GenerateRequest(id=f"{prefix}{i}", prompt=self.prompt or PROMPTS[i % len(PROMPTS)],
-                                max_tokens=self.tokens, ignore_eos=True, stream=True)
-                for i in range(self.requests)]
+        return [self._request(f"{prefix}{i}", i) for i in range(self.requests)]
+
+    def _request(self, request_id: str, i: int) -> GenerateRequest:
+        if not self.file_requests:
+            return GenerateRequest(id=request_id, prompt=self.prompt or PROMPTS[i % len(PROMPTS)],
+                                   max_tokens=self.tokens, ignore_eos=True, stream=True)
+        item = self.file_requests[i % len(self.file_requests)]
+        # The rehearsal's own knobs where the item sets none: `tokens`, every one of them
+        # decoded (ignore_eos), as the prediction counts a request.
+        defaults = {name: value for name, value in (("max_tokens", self.tokens),
+                                                    ("ignore_eos", True))
+                    if name not in item.model_fields_set}
+        return item.model_copy(update={**defaults, "id": request_id, "stream": True})
+
+    def mean_tokens(self) -> int:
+        """Tokens a request asks for, the mean over the batch: what the prediction counts."""
+        return round(statistics.fmean(r.max_tokens for r in self.batch("")))
+
+    def describe(self, source: str | None = None) -> str:
+        """The workload in words, for the progress line; `source`: the prompt file's name."""
+        if not self.file_requests:
+            return f"{self.requests} requests x {self.tokens} tokens"
+        held = len(self.file_requests)
+        order = ("in turn, again from the first" if self.requests > held
+                 else f"the first {self.requests}" if self.requests < held else "each once")
+        return (f"{self.requests} requests from {source or 'the prompt file'} ({held} in it, "
+                f"{order}), {self.tokens} tokens where an item sets no max_tokens")
 
 
 @dataclass
