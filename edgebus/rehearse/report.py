@@ -191,6 +191,10 @@ def summary(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
         lines.append(f"drafts: with every draft taken, at most {prediction.drafted_tok_s:.1f} "
                      f"tok/s predicted ({plant.coordinator.speculation.drafts} in flight); the "
                      "drafts taken, not this, set the measured rate")
+    if measured.drafts_proposed:
+        lines.append(f"drafts: {measured.drafts_accepted} of {measured.drafts_proposed} taken, "
+                     f"{measured.drafts_accepted / max(1, measured.tokens):.0%} of the tokens; "
+                     + verification(measured))
     cores = os.cpu_count() or 1
     if measured.host_load > cores:
         lines.append(f"warning: this machine was busy (load average {measured.host_load:.1f} on "
@@ -204,6 +208,18 @@ def summary(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
                          "(slower than predicted); give the box more memory or fewer layers")
     lines += [f"error: {error}" for error in measured.errors]
     return "\n".join(lines)
+
+
+def verification(measured: Measurement) -> str:
+    """How the boxes verified tokens and drafts: frames of several positions, and how many
+    positions each carried on average."""
+    parts = []
+    for box, (before, after) in measured.boxes.items():
+        frames = after.verify_frames - before.verify_frames
+        positions = after.verify_positions - before.verify_positions
+        parts.append(f"{box} {frames:.0f} frames of several positions"
+                     + (f" ({positions / frames:.1f} each)" if frames else ""))
+    return "verified in " + ", ".join(parts)
 
 
 def _columns(rows: list[tuple[str, ...]]) -> str:

@@ -205,6 +205,8 @@ class BoxSample:
     rows: float         # positions its stage has run
     decode_s: float     # its forward passes of decode rows only, which the planner predicts
     decode_steps: float
+    verify_frames: float     # decode frames of several positions (a token and its drafts)
+    verify_positions: float  # the positions they carried
     major_faults: int   # pages read back from disk (BoxGroup.major_faults)
     bytes_in: int       # over its link
     bytes_out: int
@@ -232,6 +234,8 @@ class Measurement:
     # The host's 1-minute load average at the end: above its cores, the boxes' processes
     # queued behind others' for a CPU, and got less than their quotas.
     host_load: float = 0.0
+    drafts_proposed: int = 0  # all requests together (their responses' speculation)
+    drafts_accepted: int = 0
 
 
 def sample(rehearsal: Rehearsal, client: Client) -> dict[str, BoxSample]:
@@ -246,6 +250,9 @@ def sample(rehearsal: Rehearsal, client: Client) -> dict[str, BoxSample]:
                                 rows=client.observer.metric(box, "rows"),
                                 decode_s=client.observer.metric(box, "decode_s"),
                                 decode_steps=client.observer.metric(box, "decode_steps"),
+                                verify_frames=client.observer.metric(box, "verify_frames"),
+                                verify_positions=client.observer.metric(box,
+                                                                        "verify_positions"),
                                 bytes_in=bytes_in, bytes_out=bytes_out)
     return result
 
@@ -278,7 +285,9 @@ async def measure(rehearsal: Rehearsal, client: Client, workload: Workload,
     after = {box: replace(at_end[box], compute_s=reported[box].compute_s,
                           steps=reported[box].steps, rows=reported[box].rows,
                           decode_s=reported[box].decode_s,
-                          decode_steps=reported[box].decode_steps)
+                          decode_steps=reported[box].decode_steps,
+                          verify_frames=reported[box].verify_frames,
+                          verify_positions=reported[box].verify_positions)
              for box in at_end}
     observer = client.observer
     responses = [observer.responses[r.id] for r in batch]
@@ -297,4 +306,6 @@ async def measure(rehearsal: Rehearsal, client: Client, workload: Workload,
         decode_tok_s=decode,
         boxes={box: (before[box], after[box]) for box in before},
         cpu_cores={share.box: share.cpu_cores for share in rehearsal.shares},
-        errors=errors, host_load=os.getloadavg()[0])
+        errors=errors, host_load=os.getloadavg()[0],
+        drafts_proposed=sum(r.speculation.proposed for r in responses if r.speculation),
+        drafts_accepted=sum(r.speculation.accepted for r in responses if r.speculation))
