@@ -68,7 +68,10 @@ class Drafting:
         if not may_draft:
             return
         text = [*gen.history, *(d.token for d in drafts.ahead)]
-        while proposal := drafts.propose(text, room - len(text), per_frame):
+        # Whole frames only: refilled a draft at a time as drafts are taken, the window
+        # would leave in frames of one position, each a step at every stage.
+        while (drafts.window - len(drafts.ahead) >= per_frame
+               and (proposal := drafts.propose(text, room - len(text), per_frame))):
             self._send(gen, drafts, first, candidates, proposal, len(text), gen.new_step(),
                        drafted_from=0)
             text += proposal
