@@ -141,7 +141,7 @@ def box_table(plant: Plant, measured: Measurement, prediction: Prediction) -> st
         rows.append((
             spec.node, f"{show(spec.layers)}", f"{cores:.2f}",
             f"{(after.rows - before.rows) / wall:.0f}",
-            f"{(after.cpu_s - before.cpu_s) / (cores * wall):.0%}",
+            f"{busy_share(measured, spec.node):.0%}",
             f"{ms:.1f}" if (ms := decode_step_ms(before, after)) is not None else "-",
             f"{prediction.step_ms[spec.node]:.1f}",
             _kib_per(after.bytes_in - before.bytes_in, steps),
@@ -194,6 +194,7 @@ def summary(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
     if measured.drafts_proposed:
         lines.append(f"drafts: {measured.drafts_accepted} of {measured.drafts_proposed} taken, "
                      f"{measured.drafts_accepted / max(1, measured.tokens):.0%} of the tokens; "
+                     "frames of several positions verified (x their mean size): "
                      + verification(measured))
     cores = os.cpu_count() or 1
     if measured.host_load > cores:
@@ -211,15 +212,20 @@ def summary(plant: Plant, measured: Measurement, prediction: Prediction) -> str:
 
 
 def verification(measured: Measurement) -> str:
-    """How the boxes verified tokens and drafts: frames of several positions, and how many
-    positions each carried on average."""
+    """Per box, the decode frames of several positions (a token and its drafts) it verified,
+    and their mean size: "pi-1 12x3.2"."""
     parts = []
     for box, (before, after) in measured.boxes.items():
         frames = after.verify_frames - before.verify_frames
         positions = after.verify_positions - before.verify_positions
-        parts.append(f"{box} {frames:.0f} frames of several positions"
-                     + (f" ({positions / frames:.1f} each)" if frames else ""))
-    return "verified in " + ", ".join(parts)
+        parts.append(f"{box} {frames:.0f}" + (f"x{positions / frames:.1f}" if frames else ""))
+    return ", ".join(parts)
+
+
+def busy_share(measured: Measurement, box: str) -> float:
+    """A box's CPU over its quota while the workload ran."""
+    before, after = measured.boxes[box]
+    return (after.cpu_s - before.cpu_s) / (measured.cpu_cores[box] * measured.wall_s)
 
 
 def _columns(rows: list[tuple[str, ...]]) -> str:

@@ -1,0 +1,135 @@
+"""One request on the seed's plant, rehearsed: the Jetson alone, the plant with drafts off
+and with drafts on (docs/benchmarks.md, "One request: the seed's headline").
+
+    sudo PYTHONPATH=. python benchmarks/one_request.py [--cpus 0.6] [--drafts 8] [--rounds 2]
+        [--model GGUF] [--workloads code alarm free]
+
+The plant is what `edgebus init --example jetson-2pi --insecure` writes for the model (the
+bundled SmolLM2 by default), rehearsed by `edgebus rehearse`'s own machinery: each box a
+network namespace and a CPU quota, Mosquitto and the coordinator on the Jetson's box. The
+Jetson alone is the whole model on that box with the same quota (`--compare-one-box`),
+decoding without drafts, as the seed measured it.
+Each workload is a prompt file of benchmarks/prompts/ (`rehearse --prompt-file`): (a) a
+code rewrite of a function of this repository, (b) an alarm summary that quotes its input,
+(c) free text that quotes nothing; each asks 256 tokens. The three variants take turns in
+every round, so that they see the same minutes of a shared machine. Per run: the time from
+sending to the answer, drafts taken of those sent, frames of several positions each box
+verified and their mean size, and each box's busy share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgebus.model_import import bundled_gguf
+from edgebus.rehearse import Options, Workload, one_box_variant, rehearse_plant
+from edgebus.rehearse.prompt_file import read_prompt_file
+from edgebus.rehearse.report import busy_share, verification
+from edgebus.rehearse.workload import Measurement
+from plant_config import Plant, load_plant
+
+PROMPTS = Path(__file__).parent / "prompts"
+# The seed's plant, and the box it is measured against.
+EXAMPLE, ALONE = "jetson-2pi", "jetson"
+# Cores of this machine the three boxes share (the rehearsal splits them by speed): with
+# 0.6, the Jetson gets 0.36 of a core, at which SmolLM2 takes about the seed's 31 ms a token
+# on the 2-core development machines (8 s for 256 tokens).
+DEFAULT_CPUS = 0.6
+
+
+@dataclass(frozen=True)
+class Run:
+    variant: str
+    workload: str
+    measured: Measurement
+
+
+def seed_plant(model: Path, drafts: int, folder: Path) -> Plant:
+    """The plant `edgebus init --example jetson-2pi` writes, as a user makes it."""
+    path = folder / "plant.yaml"
+    subprocess.run([sys.executable, "-m", "edgebus", "init", str(path), "--model", str(model),
+                    "--example", EXAMPLE, "--insecure", "--drafts", str(drafts)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return load_plant(path)
+
+
+def without_drafts(plant: Plant) -> Plant:
+    coordinator = plant.coordinator.model_copy(update={
+        "speculation": plant.coordinator.speculation.model_copy(update={"drafts": 0})})
+    return plant.model_copy(update={"coordinator": coordinator})
+
+
+def busy(measured: Measurement) -> str:
+    return ", ".join(f"{box} {busy_share(measured, box):.0%}" for box in measured.boxes)
+
+
+def report(runs: list[Run], workloads: list[str]) -> str:
+    lines = ["| workload | variant | sent to answer (median) | x the Jetson alone | TTFT | "
+             "decode tok/s | drafts taken / sent | frames of several positions (x mean "
+             "size) | busy |", "|" + " --- |" * 9]
+    for workload in workloads:
+        mine = [r for r in runs if r.workload == workload]
+        alone = statistics.median(r.measured.wall_s for r in mine if r.variant == "alone")
+        for variant in ("alone", "drafts off", "drafts on"):
+            these = [r.measured for r in mine if r.variant == variant]
+            wall = statistics.median(m.wall_s for m in these)
+            last = these[-1]
+            each = ", ".join(f"{m.wall_s:.1f}" for m in these)
+            lines.append(
+                f"| {workload} | {variant} | {wall:.1f} s ({each}) "
+                f"| {wall / alone:.2f}x | {statistics.median(m.ttft_s[0] for m in these):.2f} s "
+                f"| {statistics.median(m.decode_tok_s for m in these):.1f} "
+                f"| {last.drafts_accepted} / {last.drafts_proposed} | {verification(last)} "
+                f"| {busy(last)} |")
+    return "\n".join(lines)
+
+
+async def main(args: argparse.Namespace) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="edgebus-one-request-"))
+    drafting = seed_plant(args.model, args.drafts, folder)
+    options = Options(cpu_total=args.cpus)
+    alone, alone_options = one_box_variant(drafting, ALONE, options)
+    # The Jetson alone decodes plainly, as the seed's 8 s were measured.
+    variants = [("alone", without_drafts(alone), alone_options),
+                ("drafts off", without_drafts(drafting), options),
+                ("drafts on", drafting, options)]
+    runs: list[Run] = []
+    for round_ in range(args.rounds):
+        for workload in args.workloads:
+            requests = tuple(r.request for r in read_prompt_file(PROMPTS / f"{workload}.json"))
+            load = Workload(1, args.tokens, file_requests=requests)
+            # Each round in another order: no variant always runs first on a cooling machine.
+            for name, plant, plant_options in variants[round_ % 3:] + variants[:round_ % 3]:
+                print(f"== round {round_ + 1}, {workload}, {name}", flush=True)
+                _, measured = await rehearse_plant(
+                    plant, folder / f"{round_}-{workload}-{name.replace(' ', '-')}",
+                    plant_options, load, lambda text: None)
+                if measured.errors:
+                    raise SystemExit(f"{name}: {measured.errors}")
+                runs.append(Run(name, workload, measured))
+                print(f"   {measured.wall_s:.1f} s, drafts {measured.drafts_accepted}/"
+                      f"{measured.drafts_proposed}, verified {verification(measured)}, "
+                      f"busy {busy(measured)}", flush=True)
+    print(report(runs, args.workloads))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the GGUF (default: the bundled SmolLM2)")
+    parser.add_argument("--cpus", type=float, default=DEFAULT_CPUS)
+    parser.add_argument("--drafts", type=int, default=8,
+                        help="coordinator.speculation.drafts of the drafting plant")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--workloads", nargs="+", default=["code", "alarm", "free"])
+    arguments = parser.parse_args()
+    arguments.model = arguments.model or bundled_gguf()
+    asyncio.run(main(arguments))
