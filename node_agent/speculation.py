@@ -33,10 +33,12 @@ rule.)
 
 Drafts come from prompt lookup: the last n tokens of the request's text are
 looked up in its own earlier text, and what followed them there is the
-guess. No draft model: it pays where answers quote their input (alarm
-summaries, code edits). How many drafts ride ahead (`window`) adapts to how
-often they are taken; after a run of misses a request stops drafting for a
-while, so free text costs no more than a few probes. How many positions a frame
+guess; where they never came before, in the plant's recent prompts and
+answers (node_agent/ngram_cache.py). No draft model: it pays where answers
+quote their input (alarm summaries, code edits) or repeat earlier answers.
+How many drafts ride ahead (`window`) adapts to how often they are taken;
+after a run of misses a request stops drafting for a while, so free text
+costs no more than a few probes. How many positions a frame
 carries (`positions_per_frame`) spreads the window over as many frames as the
 route has stages, so that every stage has a frame to compute, and never past
 what every stage of the route verifies in one call.
@@ -48,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from edgebus.core.frames import MAX_DECODE_POSITIONS, Frame
+from node_agent.ngram_cache import NgramCache
 from plant_config.schema import Speculation as Settings
 
 # Drafts a request keeps in flight at most, whatever the plant file asks: a stage
@@ -77,9 +80,11 @@ class Draft:
 
 @dataclass
 class Drafts:
-    """One request's drafting: the lookup over its text, the drafts in flight, counts."""
+    """One request's drafting: the lookup over its text, then over the plant's recent texts
+    (`cache`, shared by the coordinator's requests), the drafts in flight, counts."""
 
     settings: Settings
+    cache: NgramCache | None = None
     window: int = 1
     ahead: list[Draft] = field(default_factory=list)  # in position order, after the token
     # Results of frames that carry drafts still in flight, by step: back before their
@@ -89,6 +94,7 @@ class Drafts:
     accepted: int = 0
     rejected: int = 0
     runs: int = 0  # tokens sent as fresh frames while drafting: each starts a run
+    from_cache: int = 0  # of `proposed`, drafts from `cache`
     _indexed: int = 0  # tokens of the text the index covers
     _index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> next position
     _recent: list[bool] = field(default_factory=list)  # taken or not, last JUDGE_DRAFTS
@@ -135,7 +141,8 @@ class Drafts:
 
     def propose(self, text: Sequence[int], room: int, most: int = MAX_WINDOW) -> list[int]:
         """Tokens to draft after `text` (the request's tokens, then the drafts in flight),
-        to keep `window` in flight, at most `room` and `most`."""
+        to keep `window` in flight, at most `room` and `most`: what followed its last
+        tokens earlier in its own text, else in the plant's recent texts."""
         want = min(self.window - len(self.ahead), room, most)
         if want <= 0 or len(text) < self._paused_until:
             return []
@@ -148,7 +155,12 @@ class Drafts:
                 drafted = list(text[follows:follows + want])
                 self.proposed += len(drafted)
                 return drafted
-        return []
+        if self.cache is None:
+            return []
+        drafted = self.cache.lookup(text, want)
+        self.proposed += len(drafted)
+        self.from_cache += len(drafted)
+        return drafted
 
     def _index_up_to(self, length: int, text: Sequence[int]) -> None:
         """Index every n-gram of text[:length] that some token follows, by where that token

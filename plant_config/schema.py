@@ -188,6 +188,11 @@ class Speculation(_Section):
     # matches too often to be a quote, past 4 a match is rarely missed by a shorter one.
     min_ngram: PositiveInt = 2
     max_ngram: PositiveInt = 4
+    # N-grams of the plant's recent prompts and answers kept to draft from where a
+    # request's own text has no match (node_agent/ngram_cache.py); 0 turns it off. About
+    # 250 bytes each: the default holds ~8 MiB, the n-grams of some 11000 tokens of text,
+    # tens of recent requests; the most allowed ~250 MiB.
+    answer_cache: int = Field(default=32768, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _ngrams_in_order(self) -> Speculation:

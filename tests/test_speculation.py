@@ -42,6 +42,7 @@ from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
 from edgebus.core.paths import GGUF_FILE
 from edgebus.launcher import PlantProcesses
 from node_agent.engines import ContextShape, load_engine
+from node_agent.ngram_cache import NgramCache
 from node_agent.speculation import JUDGE_DRAFTS, PAUSE_TOKENS, Draft, Drafts
 from node_agent.stage import StageAgent
 from plant_config import (
@@ -118,6 +119,21 @@ def test_drafts_are_what_followed_the_last_tokens_earlier_in_the_text() -> None:
     assert Drafts(Speculation(drafts=3)).propose(text, room=0) == []
     # The last tokens never came before: nothing to quote.
     assert Drafts(Speculation(drafts=3)).propose([1, 2, 3, 4, 5, 6], room=10) == []
+
+
+def test_a_request_drafts_from_its_own_text_first_and_from_the_plants_where_that_has_none(
+        ) -> None:
+    cache = NgramCache(100, min_ngram=2, max_ngram=4)
+    cache.add([1, 2, 3, 90, 91, 92])
+    quoting = Drafts(Speculation(drafts=3), cache=cache)
+    # Its own text quotes 2 3 earlier: prompt lookup, as without a cache.
+    assert quoting.propose([2, 3, 5, 6, 1, 2, 3], room=10) == [5, 6, 1]
+    assert (quoting.proposed, quoting.from_cache) == (3, 0)
+    # Its own text has no earlier 2 3: the plant's.
+    fresh = Drafts(Speculation(drafts=3), cache=cache)
+    assert fresh.propose([7, 8, 1, 2, 3], room=10) == [90, 91, 92]
+    assert (fresh.proposed, fresh.from_cache) == (3, 3)
+    assert Drafts(Speculation(drafts=3)).propose([7, 8, 1, 2, 3], room=10) == []
 
 
 def test_the_window_grows_with_taken_drafts_and_halves_with_a_miss() -> None:
@@ -375,6 +391,28 @@ async def test_requests_in_flight_together_draft_exactly(
         assert response.tokens == plant_reference(plant, request), request.id
     accepted, _ = _drafted(responses)
     assert accepted > 0
+
+
+async def test_a_request_asked_again_drafts_from_the_plants_recent_answers_exactly(
+        drafting_llama: Path, amqtt_broker: BrokerHandle) -> None:
+    """The coordinator keeps the n-grams of every finished request's prompt and answer
+    (node_agent/ngram_cache.py): the same request asked again drafts from them where its
+    own text has no match, and its tokens are still llama.cpp's."""
+    plant = _plant(drafting_llama, amqtt_broker, SPLITS["2-stages"], DRAFTS)
+    request = GenerateRequest(id="first", max_tokens=48, messages=[
+        ChatMessage(role="user", content="Status of press line 2?")])
+    async with running(plant):
+        first = await ask(plant, request, client_id="gw")
+        # Another id: the same one would be answered from the coordinator's answers.
+        second = await ask(plant, request.model_copy(update={"id": "second"}),
+                           client_id="gw")
+    for response in (first, second):
+        assert response.error is None, response.error
+        assert response.tokens == plant_reference(plant, request)
+    assert first.speculation is not None and second.speculation is not None
+    assert first.speculation.from_cache == 0  # a new coordinator's cache is empty
+    assert second.speculation.from_cache > 0, second.speculation
+    assert second.speculation.accepted > first.speculation.accepted, (first, second)
 
 
 async def test_seeded_sampling_draws_the_same_tokens_with_drafts_on(

@@ -130,6 +130,7 @@ class SpeculationUsage(BaseModel):
     accepted: int  # drafts that were the next token
     rejected: int  # drafts thrown away: rolled back, or never reached
     runs: int  # tokens sent as fresh frames while drafting; each started a run of drafts
+    from_cache: int = 0  # of the proposed, drafts from the plant's recent answers
 
     @property
     def acceptance(self) -> float:

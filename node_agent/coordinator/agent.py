@@ -97,7 +97,8 @@ class Coordinator:
         self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0,
                          "recoveries": 0.0, "resumed": 0.0, "drained": 0.0, "cancelled": 0.0,
                          "drafts_proposed": 0.0, "drafts_accepted": 0.0,
-                         "drafts_rejected": 0.0, "draft_runs": 0.0}
+                         "drafts_rejected": 0.0, "drafts_from_cache": 0.0,
+                         "draft_runs": 0.0}
         self.bus = BusClient(
             plant.endpoint_for(self.spec.id), f"{plant.plant_id}.{self.agent_id}",
             # Cancels are not shared: every coordinator hears them, the one serving acts.
@@ -128,8 +129,8 @@ class Coordinator:
             delivery=delivery, reporter=reporter, counters=self.counters)
         self.intake = Intake(plant, tokenizer, config.vocab_size, journal=journal,
                              bus=self.bus, delivery=delivery, routes=self.routes,
-                             tokens=self.tokens, active=self._active, reporter=reporter,
-                             counters=self.counters, track=self._track)
+                             tokens=self.tokens, drafting=drafting, active=self._active,
+                             reporter=reporter, counters=self.counters, track=self._track)
         self.peers = Peers(plant, self.agent_id, request_filter,
                            on_request=self.intake.on_request, reporter=reporter,
                            counters=self.counters)

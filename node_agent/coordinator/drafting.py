@@ -2,12 +2,14 @@
 
 What a draft is and how its result is judged is node_agent/speculation.py's;
 here the drafts of a request leave with its decode steps, and what drafting did
-is counted when the request ends.
+is counted when the request ends. The plant's recent texts, which every
+request drafts from where its own text has no match, live here: one cache per
+coordinator (node_agent/ngram_cache.py), fed with each request as it ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -16,6 +18,7 @@ from edgebus.core.frames import Kind
 from edgebus.core.messages import SpeculationUsage
 from node_agent.coordinator.generation import Generation
 from node_agent.groups import Outbox
+from node_agent.ngram_cache import NgramCache
 from node_agent.speculation import Draft, Drafts
 from plant_config.schema import Speculation
 
@@ -32,6 +35,13 @@ class Drafting:
         self._outbox = outbox
         self._publish = publish
         self._counters = counters
+        self.cache = (NgramCache(settings.answer_cache, min_ngram=settings.min_ngram,
+                                 max_ngram=settings.max_ngram)
+                      if settings.answer_cache else None)
+
+    def start(self) -> Drafts:
+        """The drafting of a new request: over its own text, then the plant's recent ones."""
+        return Drafts(self.settings, cache=self.cache)
 
     def may_draft(self) -> bool:
         """Whether drafts would fill idle stages: few enough requests are in flight."""
@@ -87,16 +97,20 @@ class Drafting:
                                            start=start, candidates=candidates,
                                            rollback=rollback))
 
-    def done(self, gen: Generation) -> SpeculationUsage | None:
-        """Count what drafting did for a request that ended; drafts still in flight were
-        never reached, and count as rejected."""
+    def done(self, gen: Generation, tokens: Sequence[int]) -> SpeculationUsage | None:
+        """Count what drafting did for a request that ended with `tokens` generated, and
+        keep its prompt and answer for later requests to draft from; drafts still in
+        flight were never reached, and count as rejected."""
         drafts = gen.drafts
         if drafts is None:
             return None
         drafts.forget()
+        if self.cache is not None:  # on the event loop: ~3 us a token, once a request
+            self.cache.add([*gen.history[:gen.prompt_len], *tokens])
         usage = SpeculationUsage(proposed=drafts.proposed, accepted=drafts.accepted,
-                                 rejected=drafts.rejected, runs=drafts.runs)
-        for name in ("proposed", "accepted", "rejected"):
+                                 rejected=drafts.rejected, runs=drafts.runs,
+                                 from_cache=drafts.from_cache)
+        for name in ("proposed", "accepted", "rejected", "from_cache"):
             self._counters[f"drafts_{name}"] += getattr(usage, name)
         self._counters["draft_runs"] += usage.runs
         return usage

@@ -32,12 +32,12 @@ from edgebus.core.messages import (
     salvage_id,
 )
 from node_agent.coordinator.delivery import Delivery, ReplyRoute
+from node_agent.coordinator.drafting import Drafting
 from node_agent.coordinator.generation import Generation
 from node_agent.coordinator.routing import Routes
 from node_agent.coordinator.token_loop import TokenLoop
 from node_agent.journal import Entry, Journal
 from node_agent.reporter import Reporter
-from node_agent.speculation import Drafts
 from node_agent.text import prompt_ids
 from plant_config import Plant
 from plant_config.tasks import apply_task
@@ -116,8 +116,8 @@ class Intake:
 
     def __init__(self, plant: Plant, tokenizer: Tokenizer, vocab_size: int, *,
                  journal: Journal, bus: BusClient, delivery: Delivery, routes: Routes,
-                 tokens: TokenLoop, active: dict[int, Generation], reporter: Reporter,
-                 counters: dict[str, float],
+                 tokens: TokenLoop, drafting: Drafting, active: dict[int, Generation],
+                 reporter: Reporter, counters: dict[str, float],
                  track: Callable[[asyncio.Task[None]], asyncio.Task[None]]) -> None:
         """`active`: the requests in flight, by seq; `track(task)` keeps a task among the
         agent's, cancelled when it stops."""
@@ -131,6 +131,7 @@ class Intake:
         self._delivery = delivery
         self._routes = routes
         self._tokens = tokens
+        self._drafting = drafting
         self._active = active
         self._reporter = reporter
         self._counters = counters
@@ -345,7 +346,7 @@ class Intake:
         gen = Generation(request, reply, history=list(ids), max_len=len(ids) + request.max_tokens,
                          prompt_len=len(ids))
         if spec.speculation.drafts:
-            gen.drafts = Drafts(spec.speculation)
+            gen.drafts = self._drafting.start()
         self._routes.check_fits(gen)
         self._active[gen.seq] = gen  # no await since the checks: the admission count holds
         self._by_key[key] = gen

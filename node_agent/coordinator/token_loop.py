@@ -189,7 +189,7 @@ class TokenLoop:
             self._routes.unroute(gen)
             self._counters["tokens"] += len(tokens)
             self._counters["requests_done"] += 1
-            usage = self._drafting.done(gen)
+            usage = self._drafting.done(gen, tokens)
         if text is not None:
             rest = text.flush()
             if rest and request.stream:
