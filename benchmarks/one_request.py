@@ -2,7 +2,7 @@
 and with drafts on (docs/benchmarks.md, "One request: the seed's headline").
 
     sudo PYTHONPATH=. python benchmarks/one_request.py [--cpus 0.6] [--drafts 8] [--rounds 2]
-        [--model GGUF] [--workloads code alarm free]
+        [--model GGUF] [--workloads code alarm free] [--prefill-chunk N]
 
 The plant is what `edgebus init --example jetson-2pi --insecure` writes for the model (the
 bundled SmolLM2 by default), rehearsed by `edgebus rehearse`'s own machinery: each box a
@@ -38,6 +38,7 @@ from plant_config import Plant, load_plant
 PROMPTS = Path(__file__).parent / "prompts"
 # The seed's plant, and the box it is measured against.
 EXAMPLE, ALONE = "jetson-2pi", "jetson"
+VARIANTS = ("alone", "drafts off", "drafts on")
 # Cores of this machine the three boxes share (the rehearsal splits them by speed): with
 # 0.6, the Jetson gets 0.36 of a core, at which SmolLM2 takes about the seed's 31 ms a token
 # on the 2-core development machines (8 s for 256 tokens).
@@ -60,6 +61,14 @@ def seed_plant(model: Path, drafts: int, folder: Path) -> Plant:
     return load_plant(path)
 
 
+def with_chunk(plant: Plant, chunk: int | None) -> Plant:
+    """`plant` with prompts sent in chunks of `chunk` positions (None: as it is)."""
+    if chunk is None:
+        return plant
+    return plant.model_copy(update={
+        "coordinator": plant.coordinator.model_copy(update={"prefill_chunk": chunk})})
+
+
 def without_drafts(plant: Plant) -> Plant:
     coordinator = plant.coordinator.model_copy(update={
         "speculation": plant.coordinator.speculation.model_copy(update={"drafts": 0})})
@@ -77,8 +86,10 @@ def report(runs: list[Run], workloads: list[str]) -> str:
     for workload in workloads:
         mine = [r for r in runs if r.workload == workload]
         alone = statistics.median(r.measured.wall_s for r in mine if r.variant == "alone")
-        for variant in ("alone", "drafts off", "drafts on"):
+        for variant in VARIANTS:
             these = [r.measured for r in mine if r.variant == variant]
+            if not these:
+                continue
             wall = statistics.median(m.wall_s for m in these)
             last = these[-1]
             each = ", ".join(f"{m.wall_s:.1f}" for m in these)
@@ -93,7 +104,7 @@ def report(runs: list[Run], workloads: list[str]) -> str:
 
 async def main(args: argparse.Namespace) -> None:
     folder = Path(tempfile.mkdtemp(prefix="edgebus-one-request-"))
-    drafting = seed_plant(args.model, args.drafts, folder)
+    drafting = with_chunk(seed_plant(args.model, args.drafts, folder), args.prefill_chunk)
     options = Options(cpu_total=args.cpus)
     alone, alone_options = one_box_variant(drafting, ALONE, options)
     # The Jetson alone decodes plainly, as the seed's 8 s were measured.
@@ -106,7 +117,8 @@ async def main(args: argparse.Namespace) -> None:
             requests = tuple(r.request for r in read_prompt_file(PROMPTS / f"{workload}.json"))
             load = Workload(1, args.tokens, file_requests=requests)
             # Each round in another order: no variant always runs first on a cooling machine.
-            for name, plant, plant_options in variants[round_ % 3:] + variants[:round_ % 3]:
+            turn = [v for v in variants if v[0] in args.variants]
+            for name, plant, plant_options in turn[round_ % len(turn):] + turn[:round_ % len(turn)]:
                 print(f"== round {round_ + 1}, {workload}, {name}", flush=True)
                 _, measured = await rehearse_plant(
                     plant, folder / f"{round_}-{workload}-{name.replace(' ', '-')}",
@@ -129,7 +141,14 @@ if __name__ == "__main__":
                         help="coordinator.speculation.drafts of the drafting plant")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--workloads", nargs="+", default=["code", "alarm", "free"])
+    parser.add_argument("--workloads", nargs="+", default=["code", "alarm", "free"],
+                        help="prompt files of benchmarks/prompts/ (context-1000 and "
+                        "context-3000: a long code context, one token: time to first token)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="the Jetson alone is always run: the ratios are against it")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="coordinator.prefill_chunk of every variant (default: init's)")
     arguments = parser.parse_args()
     arguments.model = arguments.model or bundled_gguf()
+    arguments.variants = sorted({"alone", *arguments.variants}, key=VARIANTS.index)
     asyncio.run(main(arguments))

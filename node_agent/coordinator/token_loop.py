@@ -225,7 +225,10 @@ class TokenLoop:
             if gen.drafts is not None and (early := gen.drafts.arrived.get(gen.step)):
                 self._resolve(gen, result, early)
             sent = time.monotonic()
-            stall = (self._pace.stall_after(positions, self._in_flight)
+            # Drafts in flight are computed with the awaited position, in its frame or in
+            # frames before it: positions ahead as much as other requests' are.
+            drafting = len(gen.drafts.ahead) if gen.drafts is not None else 0
+            stall = (self._pace.stall_after(positions, self._in_flight + drafting)
                      or timeout * COLD_STALL_SHARE)
             # Each replay for a stall doubles the next wait: a pipeline that is
             # merely slow, not losing frames, is soon waited for long enough.
