@@ -286,21 +286,12 @@ class LlamaCppEngine(StageEngine):
         most = min(PROBE_ROWS, self.max_sequences, self._batch.capacity)
         if most < 2:
             return 1
-        if self.slice.has_embedding:
-            xs = [np.array([[token]]) for token in range(1, most + 1)]
-        else:
-            rng = np.random.default_rng(0)
-            xs = [rng.standard_normal((1, 1, self.hidden)).astype(np.float32)
-                  for _ in range(most)]
+        x = self._probe_input(most)
+        xs = [x[:, i:i + 1] for i in range(most)]
         seqs = [SeqCache(seq_id, 0, self.kv_per_position) for seq_id in range(most)]
 
-        def clear() -> None:
-            for seq in seqs:
-                self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
-                seq.held = 0
-
         def exact(count: int) -> bool:
-            clear()
+            self._forget(seqs)
             together = self._call(xs[:count], seqs[:count], [0] * count, [True] * count)
             return all(a is not None and b is not None and np.array_equal(a, b)
                        for a, b in zip(alone, together, strict=False))
@@ -315,7 +306,7 @@ class LlamaCppEngine(StageEngine):
                 count += 1
             return count
         finally:
-            clear()
+            self._forget(seqs)
 
     def _exact_rows(self) -> int:
         """The most positions of one sequence that one call computes bitwise as one-position
@@ -326,23 +317,14 @@ class LlamaCppEngine(StageEngine):
         most = min(MAX_DECODE_POSITIONS, self._batch.capacity)
         if most < 2:
             return 1
-        if self.slice.has_embedding:
-            x = np.arange(1, most + 2, dtype=np.int64)[None]
-        else:
-            x = np.random.default_rng(0).standard_normal((1, most + 1, self.hidden)).astype(
-                np.float32)
+        x = self._probe_input(most + 1)
         seq = SeqCache(0, 0, self.kv_per_position)
         axis = 0 if self.slice.has_head else 1
-
-        def clear() -> None:
-            self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
-            seq.held = 0
-
         try:
             alone = [self._call([x[:, i:i + 1]], [seq], [i], [True])[0] for i in range(most + 1)]
             exact = 1
             for count in range(2, most + 1):
-                clear()
+                self._forget([seq])
                 self._call([x[:, :1]], [seq], [0], [True])
                 rows = self._call([x[:, 1:count + 1]], [seq], [1], [True], every_row=True)[0]
                 expected = np.concatenate([a for a in alone[1:count + 1] if a is not None], axis)
@@ -350,8 +332,22 @@ class LlamaCppEngine(StageEngine):
                     break
                 exact = count
         finally:
-            clear()
+            self._forget([seq])
         return exact
+
+    def _probe_input(self, positions: int) -> np.ndarray:
+        """What the load-time probes feed: token ids 1, 2, ... on the first stage, else
+        random hidden states ([1, positions] or [1, positions, H])."""
+        if self.slice.has_embedding:
+            return np.arange(1, positions + 1, dtype=np.int64)[None]
+        return np.random.default_rng(0).standard_normal(
+            (1, positions, self.hidden)).astype(np.float32)
+
+    def _forget(self, seqs: list[SeqCache]) -> None:
+        """Empty the probes' sequences."""
+        for seq in seqs:
+            self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
+            seq.held = 0
 
     # -- forward passes ------------------------------------------------------------
 
