@@ -67,9 +67,16 @@ if TYPE_CHECKING:
     # Only for `step`, the torch API of tests and tools: a stage runs `run`, without torch.
     import torch
 
-# Flash attention off: the exactness tests and the batch invariance measured
-# with the prototype hold for llama.cpp's plain attention path.
-FLASH_ATTN = 0
+# Flash attention on: its CPU kernel computes each query row alone, over the row's own
+# keys and values, so positions of one sequence in one call attend as they do one a call.
+# Off, their attention scores are a matrix product that llamafile's sgemm takes from 2
+# rows on (F16 keys, a summing order of its own): SmolLM2 on the Intel Xeon VM, 8
+# positions after 50 of history, one call against one a call, logits 0.63 apart, where
+# the load-time probe's short history saw none (docs/row-exactness.md).
+FLASH_ATTN = 1
+# Positions of history the load-time probes compute first, so that the rows they compare
+# attend over a history, as a request's decode rows do.
+PROBE_HISTORY = 16
 # Rows the load-time probe batches at most: the bench's 16 concurrent requests. Kernels
 # pick their tiling by the row count (ggml's repacked ARM kernels go from gemv to gemm at
 # 4), so the probe tries as many rows as a stage batches in practice.
@@ -286,19 +293,22 @@ class LlamaCppEngine(StageEngine):
         most = min(PROBE_ROWS, self.max_sequences, self._batch.capacity)
         if most < 2:
             return 1
-        x = self._probe_input(most)
+        x = self._probe_input(most, seed=1)
         xs = [x[:, i:i + 1] for i in range(most)]
         seqs = [SeqCache(seq_id, 0, self.kv_per_position) for seq_id in range(most)]
+        history = self._probe_history(seqs)
 
         def exact(count: int) -> bool:
-            self._forget(seqs)
-            together = self._call(xs[:count], seqs[:count], [0] * count, [True] * count)
+            together = self._call(xs[:count], seqs[:count], [history] * count, [True] * count)
+            self._back_to(seqs, history)
             return all(a is not None and b is not None and np.array_equal(a, b)
                        for a, b in zip(alone, together, strict=False))
 
         try:
-            alone = [self._call([x], [seq], [0], [True])[0] for x, seq in zip(xs, seqs,
-                                                                                 strict=True)]
+            alone = []
+            for row, seq in zip(xs, seqs, strict=True):
+                alone.append(self._call([row], [seq], [history], [True])[0])
+                self._back_to([seq], history)
             if exact(most):
                 return most
             count = 1
@@ -306,48 +316,59 @@ class LlamaCppEngine(StageEngine):
                 count += 1
             return count
         finally:
-            self._forget(seqs)
+            self._back_to(seqs, 0)
 
     def _exact_rows(self) -> int:
         """The most positions of one sequence that one call computes bitwise as one-position
-        calls: after one position of history, 2, 3, ... positions in one call against the
-        same positions one call each, up to the first count that differs. Every count is
-        tried, since kernels take rows in blocks (ggml's repacked ARM kernels in fours, the
-        rest one by one): 4 rows may differ where 5 do not."""
+        calls: after a history, 2, 3, ... positions in one call against the same positions
+        one call each, up to the first count that differs. Every count is tried, since
+        kernels take rows in blocks (ggml's repacked ARM kernels in fours, the rest one by
+        one): 4 rows may differ where 5 do not."""
         most = min(MAX_DECODE_POSITIONS, self._batch.capacity)
         if most < 2:
             return 1
-        x = self._probe_input(most + 1)
+        x = self._probe_input(most, seed=1)
         seq = SeqCache(0, 0, self.kv_per_position)
+        history = self._probe_history([seq])
         axis = 0 if self.slice.has_head else 1
         try:
-            alone = [self._call([x[:, i:i + 1]], [seq], [i], [True])[0] for i in range(most + 1)]
+            alone = [self._call([x[:, i:i + 1]], [seq], [history + i], [True])[0]
+                     for i in range(most)]
             exact = 1
             for count in range(2, most + 1):
-                self._forget([seq])
-                self._call([x[:, :1]], [seq], [0], [True])
-                rows = self._call([x[:, 1:count + 1]], [seq], [1], [True], every_row=True)[0]
-                expected = np.concatenate([a for a in alone[1:count + 1] if a is not None], axis)
+                self._back_to([seq], history)
+                rows = self._call([x[:, :count]], [seq], [history], [True], every_row=True)[0]
+                expected = np.concatenate([a for a in alone[:count] if a is not None], axis)
                 if rows is None or not np.array_equal(rows, expected):
                     break
                 exact = count
         finally:
-            self._forget([seq])
+            self._back_to([seq], 0)
         return exact
 
-    def _probe_input(self, positions: int) -> np.ndarray:
-        """What the load-time probes feed: token ids 1, 2, ... on the first stage, else
-        random hidden states ([1, positions] or [1, positions, H])."""
+    def _probe_input(self, positions: int, *, seed: int) -> np.ndarray:
+        """What the load-time probes feed: token ids on the first stage, else hidden states
+        ([1, positions] or [1, positions, H]), random."""
+        rng = np.random.default_rng(seed)
         if self.slice.has_embedding:
-            return np.arange(1, positions + 1, dtype=np.int64)[None]
-        return np.random.default_rng(0).standard_normal(
-            (1, positions, self.hidden)).astype(np.float32)
+            return rng.integers(1, self.vocab, size=(1, positions), dtype=np.int64)
+        return rng.standard_normal((1, positions, self.hidden)).astype(np.float32)
 
-    def _forget(self, seqs: list[SeqCache]) -> None:
-        """Empty the probes' sequences."""
+    def _probe_history(self, seqs: list[SeqCache]) -> int:
+        """The same PROBE_HISTORY positions in every one of `seqs`: computed in the first,
+        copied to the others; returns how many."""
+        history = min(PROBE_HISTORY, self._batch.capacity)
+        self._call([self._probe_input(history, seed=0)], seqs[:1], [0], [False])
+        for seq in seqs[1:]:
+            self._llama.llama_memory_seq_cp(self._memory, seqs[0].seq_id, seq.seq_id, -1, -1)
+            seq.held = history
+        return history
+
+    def _back_to(self, seqs: list[SeqCache], positions: int) -> None:
+        """Drop the probes' sequences' positions from `positions` on."""
         for seq in seqs:
-            self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, -1, -1)
-            seq.held = 0
+            self._llama.llama_memory_seq_rm(self._memory, seq.seq_id, positions, -1)
+            seq.cut(positions)
 
     # -- forward passes ------------------------------------------------------------
 
