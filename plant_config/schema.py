@@ -217,8 +217,11 @@ class CoordinatorSpec(_Section):
     # Prompt positions per prefill frame. Other requests' decode steps wait
     # for at most one chunk's compute; stages work on successive chunks at the
     # same time, which cuts time to first token; and frames stay far under a
-    # broker's packet limit (128 x 4096 fp16 = 1 MiB).
-    prefill_chunk: PositiveInt = 128
+    # broker's packet limit (64 x 4096 fp32 = 1 MiB). On the rehearsed seed plant
+    # (Jetson and two Pis, docs/benchmarks.md) 64 took a 1,000-token prompt to its
+    # first token in 0.84x the Jetson alone's time and a 3,000-token one in 0.80x,
+    # where 128 took 0.94x and 0.85x: smaller chunks keep the stages busier sooner.
+    prefill_chunk: PositiveInt = 64
     # More coordinators serving the plant at once, by instance name (each runs
     # as `EDGEBUS_INSTANCE=NAME edgebus coordinator PLANT`, status `<id>.NAME`).
     # With any listed, every coordinator takes requests from one MQTT 5 shared
