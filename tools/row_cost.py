@@ -1,10 +1,11 @@
 """What does a row-exact llama.cpp setting cost?  (issue 42, item 1; see docs/row-exactness.md)
 
-    python tools/row_cost.py GGUF [--threads 2] [--variant default|norepack] [--repack REGEX] [--reps 15]
+    python tools/row_cost.py GGUF [--threads 2] [--variant default|norepack] [--repack REGEX]
+        [--reps 15]
 
-Prints the median and the minimum wall time (ms) of four llama_decode calls, on one context (n_seq_max 8,
-kv_unified false, n_ubatch 512, flash attention on), each after a 64-token prompt per sequence, undone after
-each call so every repetition sees the same cache:
+Prints the median and the minimum wall time (ms) of four llama_decode calls, on one context
+(n_seq_max 8, kv_unified false, n_ubatch 512, flash attention on), each after a 64-token prompt
+per sequence, undone after each call so every repetition sees the same cache:
   row1   one decode row;   seq8  one row each of 8 sequences;
   pos4   4 positions of one sequence;   prompt128  a 128-token prompt into an empty sequence.
 Run the variants in alternating processes (the GGML_CPU_TILED_MM switch is read once per
@@ -17,17 +18,22 @@ import ctypes
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
-import numpy as np
 import llama_cpp
-
+import numpy as np
 from row_exactness import load  # the same variants as the exactness probe
 
 _QUIET = llama_cpp.llama_log_callback(lambda *_: None)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+Row = tuple[int, int, int, bool]  # (token, pos, seq, logits wanted)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("gguf")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", default="default", choices=("default", "norepack"))
@@ -37,17 +43,18 @@ def main(argv=None) -> int:
     llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p())
     llama_cpp.llama_backend_init()
     model, _keep = load(a.gguf, a.variant, [], a.repack)
-    nv = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    nv: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.kv_unified = 8 * 512, 512, 512, 8, False
     cp.n_threads = cp.n_threads_batch = a.threads
-    cp.flash_attn_type = 1  # on: with F16 KV and FA off, positions of one sequence are not row-exact
+    # on: with F16 KV and FA off, positions of one sequence are not row-exact
+    cp.flash_attn_type = 1
     ctx = llama_cpp.llama_init_from_model(model, cp)
     mem = llama_cpp.llama_get_memory(ctx)
     rng = np.random.default_rng(0)
     toks = [int(x) for x in rng.integers(100, nv - 100, 256)]
 
-    def decode(rows):
+    def decode(rows: list[Row]) -> float:
         b = llama_cpp.llama_batch_init(len(rows), 0, 1)
         b.n_tokens = len(rows)
         for i, (t, p, s, out) in enumerate(rows):
@@ -61,14 +68,14 @@ def main(argv=None) -> int:
 
     for s in range(8):
         decode([(toks[i], i, s, False) for i in range(64)])
-    cases = {
+    cases: dict[str, Callable[[], list[Row]]] = {
         "row1": lambda: [(toks[64], 64, 0, True)],
         "seq8": lambda: [(toks[64 + s], 64, s, True) for s in range(8)],
         "pos4": lambda: [(toks[64 + j], 64 + j, 0, True) for j in range(4)],
     }
-    res = {}
+    res: dict[str, tuple[float, float]] = {}
     for name, rows in cases.items():
-        ts = []
+        ts: list[float] = []
         for _ in range(a.reps):
             ts.append(decode(rows()))
             for s in range(8):

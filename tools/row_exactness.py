@@ -15,11 +15,13 @@ embeddings with pooling NONE) with a bitwise test and prints how many of the k r
 Variants (llama_model_params):
   default    llama.cpp's defaults (repacked / AMX weights where the CPU has them);
   norepack   use_extra_bufts = false: every weight in the plain CPU buffer;
-  --override REGEX  (repeatable) tensor_buft_overrides to ggml_backend_cpu_buffer_type(). NOTE: llama.cpp
-             reads a CPU override as "CPU or its extra types" (llama-model-loader.cpp), so with
-             use_extra_bufts on this still repacks: it is here to show that;
+  --override REGEX  (repeatable) tensor_buft_overrides to ggml_backend_cpu_buffer_type().
+             NOTE: llama.cpp reads a CPU override as "CPU or its extra types"
+             (llama-model-loader.cpp), so with use_extra_bufts on this still repacks: it is
+             here to show that;
   --repack REGEX    (repeatable) use_extra_bufts = false, and the matching tensors go to the
-             CPU_REPACK buffer type (an override to a non-CPU type is taken as is): repack only those.
+             CPU_REPACK buffer type (an override to a non-CPU type is taken as is): repack
+             only those.
 Environment knobs of ggml-cpu that matter here are read once, at the first matmul, so they can
 be set on the command line: GGML_CPU_TILED_MM=0 (no tiled K-quant matmul for >= 8 rows).
 """
@@ -29,13 +31,18 @@ import argparse
 import ctypes
 import os
 import sys
+from typing import Any, cast
 
-import numpy as np
 import llama_cpp
+import numpy as np
+import numpy.typing as npt
 
 PROMPT = 40
 _QUIET = llama_cpp.llama_log_callback(lambda *_: None)  # kept alive: llama.cpp calls it later
 CTX_PER_SEQ = 512
+
+Row = tuple[int, int, int]  # (token, pos, seq)
+RowOut = tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]  # (logits, hidden)
 
 
 class BuftOverride(ctypes.Structure):  # struct llama_model_tensor_buft_override (llama.h)
@@ -51,7 +58,7 @@ def buffer_type(name: str) -> int:
     base, ggml = _lib("libggml-base.so"), _lib("libggml.so")
     base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
     if name == "CPU":
-        return base.ggml_backend_cpu_buffer_type()
+        return cast(int, base.ggml_backend_cpu_buffer_type())
     ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     ggml.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
     ggml.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
@@ -66,16 +73,18 @@ def buffer_type(name: str) -> int:
     i = 0
     while extra[i]:
         if base.ggml_backend_buft_name(extra[i]).decode() == name:
-            return extra[i]
+            return cast(int, extra[i])
         i += 1
     sys.exit(f"no {name} buffer type in this build")
 
 
-def load(path: str, variant: str, overrides: list[str], repack: list[str]):
+def load(
+    path: str, variant: str, overrides: list[str], repack: list[str]
+) -> tuple[Any, ctypes.Array[BuftOverride] | None]:
     mp = llama_cpp.llama_model_default_params()
     if variant == "norepack" or repack:
         mp.use_extra_bufts = False
-    keep = None
+    keep: ctypes.Array[BuftOverride] | None = None
     pairs = [(p, "CPU") for p in overrides] + [(p, "CPU_REPACK") for p in repack]
     if pairs:
         keep = (BuftOverride * (len(pairs) + 1))()
@@ -89,12 +98,12 @@ def load(path: str, variant: str, overrides: list[str], repack: list[str]):
 
 
 class Probe:
-    def __init__(self, model, threads: int, fa: int, ubatch: int):
+    def __init__(self, model: Any, threads: int, fa: int, ubatch: int) -> None:
         self.model, self.threads, self.fa, self.ubatch = model, threads, fa, ubatch
-        self.nv = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-        self.nd = llama_cpp.llama_model_n_embd(model)
+        self.nv: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        self.nd: int = llama_cpp.llama_model_n_embd(model)
 
-    def context(self, nseq: int):
+    def context(self, nseq: int) -> Any:
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = CTX_PER_SEQ * nseq
         cp.n_batch = 512
@@ -107,7 +116,7 @@ class Probe:
         cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
         return llama_cpp.llama_init_from_model(self.model, cp)
 
-    def decode(self, ctx, rows, want: bool):
+    def decode(self, ctx: Any, rows: list[Row], want: bool) -> list[RowOut]:
         """rows: (token, pos, seq); returns [(logits, hidden)] per row if want."""
         b = llama_cpp.llama_batch_init(len(rows), 0, 1)
         b.n_tokens = len(rows)
@@ -115,15 +124,21 @@ class Probe:
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, p, 1, want
             b.seq_id[i][0] = s
         assert llama_cpp.llama_decode(ctx, b) == 0
-        out = []
+        out: list[RowOut] = []
         for i in range(len(rows) if want else 0):
-            lg = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(self.nv,)).copy()
-            hs = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_ith(ctx, i), shape=(self.nd,)).copy()
+            lg = np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(ctx, i), shape=(self.nv,)
+            ).copy()
+            hs = np.ctypeslib.as_array(
+                llama_cpp.llama_get_embeddings_ith(ctx, i), shape=(self.nd,)
+            ).copy()
             out.append((lg, hs))
         llama_cpp.llama_batch_free(b)
         return out
 
-    def positions(self, prompt, drafts, k):
+    def positions(
+        self, prompt: list[int], drafts: list[int], k: int
+    ) -> tuple[list[RowOut], list[RowOut]]:
         start = [(t, i, 0) for i, t in enumerate(prompt[:PROMPT])]
         rows = [(t, PROMPT + j, 0) for j, t in enumerate(drafts[:k])]
         c = self.context(1)
@@ -136,28 +151,34 @@ class Probe:
         llama_cpp.llama_free(c)
         return single, batch
 
-    def sequences(self, prompt, drafts, k):
+    def sequences(self, prompt: list[int], drafts: list[int], k: int) -> list[list[RowOut]]:
         lens = [PROMPT - 10 + s % 11 for s in range(k)]  # different lengths, different positions
         rows = [(drafts[s], lens[s], s) for s in range(k)]
-        res = []
+        res: list[list[RowOut]] = []
         for together in (False, True):
             c = self.context(k)
             for s in range(k):
                 self.decode(c, [(t, i, s) for i, t in enumerate(prompt[s % 7:][: lens[s]])], False)
-            res.append(self.decode(c, rows, True) if together else [self.decode(c, [r], True)[0] for r in rows])
+            res.append(
+                self.decode(c, rows, True)
+                if together
+                else [self.decode(c, [r], True)[0] for r in rows]
+            )
             llama_cpp.llama_free(c)
         return res
 
 
-def compare(ref, got):
-    lg = sum(bool(np.array_equal(a[0], b[0])) for a, b in zip(ref, got))
-    hs = sum(bool(np.array_equal(a[1], b[1])) for a, b in zip(ref, got))
-    diff = max(float(np.abs(a[0] - b[0]).max()) for a, b in zip(ref, got))
+def compare(ref: list[RowOut], got: list[RowOut]) -> tuple[int, int, float]:
+    lg = sum(bool(np.array_equal(a[0], b[0])) for a, b in zip(ref, got, strict=True))
+    hs = sum(bool(np.array_equal(a[1], b[1])) for a, b in zip(ref, got, strict=True))
+    diff = max(float(np.abs(a[0] - b[0]).max()) for a, b in zip(ref, got, strict=True))
     return lg, hs, diff
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("gguf")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fa", type=int, default=0, choices=(0, 1))
@@ -167,7 +188,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repack", action="append", default=[], metavar="REGEX")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8,16,32")
     ap.add_argument("--no-seq", action="store_true", help="skip the k-sequences test")
-    ap.add_argument("--all", action="store_true", help="go on through every k after both tests failed")
+    ap.add_argument(
+        "--all", action="store_true", help="go on through every k after both tests failed"
+    )
     a = ap.parse_args(argv)
     ks = [int(x) for x in a.ks.split(",")]
 
@@ -181,13 +204,15 @@ def main(argv=None) -> int:
     drafts = [int(x) for x in rng.integers(100, p.nv - 100, max(ks))]
 
     print(f"# {os.path.basename(a.gguf)} threads={a.threads} fa={a.fa} n_ubatch={a.ubatch} "
-          f"variant={a.variant} override={a.override or '-'} repack={a.repack or '-'} tiled_mm={os.environ.get('GGML_CPU_TILED_MM', '1')}")
+          f"variant={a.variant} override={a.override or '-'} repack={a.repack or '-'} "
+          f"tiled_mm={os.environ.get('GGML_CPU_TILED_MM', '1')}")
     print(f"{'k':>3} | pos: logits  hidden  max|dlogit| | seq: logits  hidden  max|dlogit|")
     tests = ("pos logits", "pos hidden", "seq logits", "seq hidden")
     best = dict.fromkeys(tests, 0)
     alive = {t: not (a.no_seq and t.startswith("seq")) for t in tests}
     for k in ks:
-        cells, eq = [], {}
+        cells: list[str] = []
+        eq: dict[str, int] = {}
         for name, fn in (("pos", p.positions), ("seq", p.sequences)):
             if name == "seq" and a.no_seq:
                 cells.append(f"{'-':>27}")
@@ -203,8 +228,8 @@ def main(argv=None) -> int:
                 alive[t] = False
         if not any(alive.values()) and not a.all:
             break  # every test failed: larger k adds nothing to "largest exact k"
-    print("largest exact k: positions of one sequence: logits {} hidden {}; rows of k sequences: logits {} hidden {}"
-          .format(*(best[t] for t in tests)))
+    print("largest exact k: positions of one sequence: logits {} hidden {}; "
+          "rows of k sequences: logits {} hidden {}".format(*(best[t] for t in tests)))
     llama_cpp.llama_model_free(model)
     return 0
 
