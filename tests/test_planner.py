@@ -536,7 +536,9 @@ def test_a_llamacpp_plan_counts_what_the_box_holds(tmp_path: Path) -> None:
                               + standin_bytes(4096, 128256))
     assert memory.services == MOSQUITTO_BYTES + COORDINATOR_BYTES + shape.vocabulary_bytes()
     assert memory.headroom == HEADROOM_BYTES and memory.process == IDLE_AGENT_BYTES
-    assert memory.buffers == (shape.context_bytes(ContextShape(160 * MIB, 1280, 128),
+    # A call carries a prompt chunk at most (or a batch of decode rows, fewer).
+    chunk = plant.coordinator.prefill_chunk
+    assert memory.buffers == (shape.context_bytes(ContextShape(160 * MIB, 1280, chunk),
                                                   vocabulary=True)
                               + shape.empty_vocabulary_bytes())
     # The split the issue ran (9/9/14) put the Jetson over its 2 GiB once all of that counts.
