@@ -45,6 +45,7 @@ from broker.exposure import refuse_open_listener
 from edgebus.core import sd_notify
 from edgebus.core.errors import BusError
 from plant_config.broker_section import BrokerTls
+from plant_config.certificates import WARN_DAYS, certificate_info
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +307,19 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
             self._writers.discard(writer)
 
 
+def _warn_if_expiring(tls: BrokerTls) -> None:
+    """Say at start that the broker's certificate has expired, or soon will: every client
+    would refuse it (edgebus.core.tls)."""
+    days = certificate_info(tls.certfile).days_left()
+    if days < 0:
+        logger.error("the broker's certificate %s has expired: every client refuses it. "
+                     "`edgebus certs renew PLANT` issues a new one from the plant's CA",
+                     tls.certfile)
+    elif days < WARN_DAYS:
+        logger.warning("the broker's certificate %s expires in %d days: `edgebus certs renew "
+                       "PLANT` issues a new one from the plant's CA", tls.certfile, days)
+
+
 def _quiet_amqtt() -> None:
     """Cap amqtt's logging at WARNING unless someone set its loggers' levels on purpose."""
     for name in _NOISY_LOGGERS:
@@ -358,6 +372,7 @@ class EmbeddedBroker:
             listener = ListenerConfig(type=ListenerType.TCP, bind=f"{self.host}:{self.port}",
                                       ssl=True, cafile=tls.cafile, certfile=tls.certfile,
                                       keyfile=tls.keyfile)
+            _warn_if_expiring(tls)
         config = BrokerConfig(listeners={_LISTENER_NAME: listener}, plugins=self.plugins)
         broker = _Broker(config, require_certificate=tls is not None and tls.require_certificate)
         try:

@@ -260,8 +260,15 @@ def _broker(args: argparse.Namespace) -> None:
 def _mosquitto_config(args: argparse.Namespace) -> None:
     from broker.mosquitto_config import write_mosquitto_config
     from plant_config import load_plant
+    from plant_config.certificates import ensure_certificates, own_ca
 
     plant = load_plant(args.plant)
+    tls = plant.security.listener_tls if plant.security is not None else None
+    if tls is not None and own_ca(tls.cafile, plant.plant_id):
+        # The plant's own CA is here: the broker's certificate, if it is missing or no
+        # longer names every broker host of the plant file (a url changed since `init`).
+        for path in ensure_certificates(plant):
+            print(f"wrote {path}")
     written = write_mosquitto_config(plant, Path(args.outdir), broker=args.broker,
                                      bind=args.bind, install_dir=args.install_dir)
     for path in written:

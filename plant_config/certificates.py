@@ -152,6 +152,15 @@ def existing_ca(cert_path: Path, plant_id: str) -> bool:
     return True
 
 
+def own_ca(cert_path: Path, plant_id: str) -> bool:
+    """Whether `cert_path` is plant `plant_id`'s CA as `init` makes it, its key beside it (not
+    a CA made by hand, whose certificates edgebus leaves alone)."""
+    try:
+        return ca_key_path(cert_path).is_file() and existing_ca(cert_path, plant_id)
+    except PlantConfigError:
+        return False
+
+
 def issue(ca_cert: Path, cert_path: Path, key_path: Path, *, common_name: str,
           hosts: list[str] | None = None, days: int = LEAF_DAYS,
           issued: dt.datetime | None = None) -> Path:

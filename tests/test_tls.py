@@ -165,6 +165,11 @@ def test_init_makes_the_plants_ca_and_a_broker_certificate_naming_its_hosts(
     text = (site / "out" / "mosquitto.conf").read_text()
     assert "listener 8883" in text
     assert f"certfile {external.security.listener_tls.certfile}" in text
+    # The broker moved to another host since `init`: its certificate follows.
+    edit(path, broker={"url": "mqtts://mqtt.plant.local:8883"})
+    conf = edgebus("broker", "mosquitto-config", str(path), str(site / "out"))
+    assert conf.returncode == 0, conf.stderr
+    assert names_in(external.security.listener_tls.certfile) == {"mqtt.plant.local"}
 
 
 def test_a_second_init_reuses_the_plants_ca_and_never_overwrites_another_plants(
@@ -263,7 +268,7 @@ async def test_a_broker_certificate_from_another_ca_is_refused(
 
 
 async def test_an_expired_certificate_is_refused_with_its_message(
-        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+        tiny_llama_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The broker's certificate expired: refused, and `status` names the CA file and the
     host in one line. A client's own expired certificate (mutual TLS): refused before it
     is sent, naming the file."""
@@ -280,7 +285,8 @@ async def test_an_expired_certificate_is_refused_with_its_message(
                for row in report)
     handle = embedded_for(plant)
     handle.port = plant.broker.port
-    with started(handle):
+    with caplog.at_level(logging.WARNING), started(handle):
+        assert f"the broker's certificate {tls.certfile} has expired" in caplog.text
         with pytest.raises(BusError, match="has expired"):
             await connect(plant.endpoint_for("stage-0"), f"{plant.plant_id}.stage-0")
         line = one_line_error(await asyncio.to_thread(edgebus, "status", str(path)))
