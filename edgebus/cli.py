@@ -470,8 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--example", choices=sorted(EXAMPLES),
                    help="write an example plant with boxes, its layers split by `edgebus plan` "
                         "(profiles the model first if it has no cached profile)")
-    p.add_argument("--broker", help="'embedded' or mqtt(s)://[user:pw@]host:port (default "
-                                    "embedded; an example's own broker with --example)")
+    p.add_argument("--broker", help="'embedded' (on 8883, over TLS) or mqtts://host[:8883] "
+                                    "(TLS, a certificate for that host from the plant's CA); "
+                                    "mqtt://host[:1883] only for plain MQTT on purpose "
+                                    "(default embedded; an example's own broker with --example)")
     p.add_argument("--topic-root", help="MQTT topic root (default edgebus/<plant id>)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plant file")
     p.add_argument("--weights", choices=get_args(WeightMode),
@@ -488,9 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated ids of the PLC/SCADA gateways that may ask, each "
                         f"with a password of its own (default {','.join(DEFAULT_GATEWAYS)})")
     p.add_argument("--insecure", action="store_true",
-                   help="no security: section: the broker admits anyone (so it listens on the "
-                        "loopback only); without it every agent, gateway and the ops tools "
-                        "get an identity and a password in credentials/ beside the plant file")
+                   help="no security: section and no TLS: the broker admits anyone (so it "
+                        "listens on the loopback only); without it every agent, gateway and "
+                        "the ops tools get an identity and a password in credentials/ beside "
+                        "the plant file, and the plant's own CA and TLS certificates in "
+                        "credentials/tls/")
     p.set_defaults(run=_init)
 
     p = sub.add_parser("plan", help="split the layers over the plant's boxes: fastest that fits")

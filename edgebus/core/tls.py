@@ -85,9 +85,10 @@ def explain(exc: BaseException | str, endpoint: BrokerEndpoint) -> str | None:
             what = f"is not signed by the CA in {ca}"
         else:
             what = f"was refused ({reason})"
-        return (f"TLS: the broker {where} presented a certificate that {what} (checked "
-                f"against {ca}): the broker's certificate (security.tls.certfile) or the "
-                f"plant's CA file is wrong; {_RENEW}")
+        checked = "" if str(ca) in what else f" (checked against {ca})"
+        return (f"TLS: the broker {where} presented a certificate that {what}{checked}: the "
+                f"broker's certificate (security.tls.certfile) or the plant's CA file is "
+                f"wrong; {_RENEW}")
     lowered = text.lower()
     for alert, what in _REFUSED_OURS.items():
         if alert in lowered:
