@@ -327,7 +327,10 @@ def _certs_renew(args: argparse.Namespace) -> None:
     tls = plant.security.listener_tls if plant.security is not None else None
     if plant.security is None or tls is None:
         raise EdgebusError(f"{args.plant} has no TLS listener (security.tls) whose certificates "
-                           "could be renewed: `edgebus init` writes one")
+                           "could be renewed: add one as `edgebus init` writes it (cafile: "
+                           "credentials/tls/ca.crt, certfile: credentials/tls/broker.crt, "
+                           "keyfile: credentials/tls/broker.key) and run this again, which "
+                           "then makes the plant's CA too (docs/securing-the-broker.md)")
     for path in ensure_certificates(plant, renew=True):
         print(f"wrote {path}: valid for {certificate_info(path).days_left()} more days")
     if plant.broker.embedded:
