@@ -18,7 +18,6 @@ from pydantic import ValidationError
 
 from edgebus.core.errors import CheckpointError, PlantConfigError
 from plant_config.broker_section import BrokerSettings
-from plant_config.certificates import default_files
 from plant_config.layout import even_split, fit_problems
 from plant_config.problems import Problem, Problems, from_validation_error, plant_error
 from plant_config.schema import GGUF_SUFFIX, Plant, WeightMode
@@ -189,6 +188,10 @@ def with_security(plant: Plant, plant_file: Path, *,
                 "ops": list(ops), "api_keys": list(DEFAULT_API_KEYS),
                 "password_file": (home / PASSWORD_DIR / f"{plant_file.stem}{PASSWORD_SUFFIX}"
                                   if plant.broker.embedded else None)}
+    # Here, not at the top: every agent loads plant files, and this one module of the plant's
+    # certificates brings cryptography (~0.1 s to import), which only `init` needs here.
+    from plant_config.certificates import default_files
+
     data = plant.model_dump(exclude_unset=True)
     tls_files = default_files(home / CREDENTIALS_DIR)
     if plant.broker.embedded:

@@ -13,8 +13,6 @@ import datetime as dt
 import ssl
 from pathlib import Path
 
-from cryptography import x509
-
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.errors import BusError
 
@@ -54,6 +52,10 @@ def client_context(endpoint: BrokerEndpoint) -> ssl.SSLContext:
 
 def check_not_expired(cert_file: Path, endpoint: BrokerEndpoint) -> None:
     """BusError if the certificate at `cert_file`, this client's own, is out of its dates."""
+    # Here, not at the top: every agent imports this module, and only mutual TLS reads a
+    # certificate (cryptography's x509 takes ~0.1 s to import on a loaded 2-core box).
+    from cryptography import x509
+
     try:
         cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
     except (OSError, ValueError):
