@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import logging
 import shutil
 import signal
@@ -19,6 +20,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -411,12 +413,41 @@ async def capture(path: Path, ports: list[int]) -> AsyncIterator[None]:
         await proc.wait()
 
 
+def ask_over_http(path: Path, tmp_path: Path, prompt: str) -> None:
+    """`edgebus http` of the plant, asked once as an editor would (its own leg, HTTP on the
+    loopback, is not the broker's and is not captured)."""
+    port = free_port(LOOPBACK)
+    key = (path.parent / "credentials" / "http-1.api-key").read_text().strip()
+    with (tmp_path / "http.log").open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "edgebus", "http", str(path),
+                                 "--listen", f"{LOOPBACK}:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + UP_S
+        while "Uvicorn running on" not in (tmp_path / "http.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "http.log").read_text()
+            time.sleep(0.1)
+        model = load_plant(path).model.name
+        body = json.dumps({"model": model, "max_tokens": 4,
+                           "messages": [{"role": "user", "content": prompt}]}).encode()
+        request = urllib.request.Request(
+            f"http://{LOOPBACK}:{port}/v1/chat/completions", data=body,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=UP_S) as answer:
+            assert json.load(answer)["choices"][0]["message"]["content"] is not None
+    finally:
+        proc.terminate()
+        proc.wait(UP_S)
+
+
 async def test_a_default_plant_answers_with_no_password_and_no_prompt_on_the_wire(
         tiny_llama_gguf: Path, tmp_path: Path) -> None:
-    """issue 43's own check: `init`, `up`, `ask`, `status` as a new user runs them, every
-    loopback packet of the broker's port captured. Not one of the plant's passwords and
-    not the prompt's text is in it. A marker sent in clear beside it, in the same capture,
-    shows the capture would have seen them."""
+    """issue 43's own check: `init`, `up`, `ask`, `status` as a new user runs them, and
+    `edgebus http` answering an editor (so that all six identities log in), every loopback
+    packet of the broker's port captured. Not one of the plant's passwords and not the
+    prompt's text is in it. A marker sent in clear beside it, in the same capture, shows
+    the capture would have seen them."""
     path = init(tmp_path, tiny_llama_gguf)
     plant = edit(path, broker={"port": free_port(LOOPBACK)})
     assert plant.security is not None
@@ -439,6 +470,7 @@ async def test_a_default_plant_answers_with_no_password_and_no_prompt_on_the_wir
             status = await asyncio.to_thread(edgebus, "status", str(path))
             assert status.returncode == 0, status.stdout + status.stderr
             assert "TLS: on" in status.stdout and "days left" in status.stdout
+            await asyncio.to_thread(ask_over_http, path, tmp_path, prompt)
             with socket.socket() as server:
                 server.bind((LOOPBACK, marker_port))
                 server.listen()
@@ -455,7 +487,7 @@ async def test_a_default_plant_answers_with_no_password_and_no_prompt_on_the_wir
     assert len(wire) > 20_000, len(wire)  # the plant's whole conversation, encrypted
     passwords = {identity: password_path(plant.security.credentials, identity).read_text()
                  .strip() for identity in plant.identities()}
-    assert len(passwords) == 6
+    assert len(passwords) == 6  # coordinator, stage-0, stage-1, plc-1, http, ops: all used
     leaked = [identity for identity, password in passwords.items()
               if password.encode() in wire]
     assert leaked == []
