@@ -9,7 +9,10 @@ it: amqtt speaks MQTT 3.1.1 only and keeps nothing across a restart.
 Every client is admitted, without credentials, unless the plant has a
 `security:` section: then `broker.amqtt_security` admits only its identities,
 each confined to its topics. Admitting everyone, it listens on the loopback
-only (`broker.exposure`). It listens without TLS.
+only (`broker.exposure`). With the plant's `security.tls` (what `edgebus init`
+writes) it serves TLS only, with the broker certificate of the plant's CA, and
+with `require_certificate` it admits only clients presenting a certificate of
+that CA (amqtt 0.12.1 alone would let a client without one in).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 from collections import deque
 from types import TracebackType
 from typing import Any
@@ -40,6 +44,8 @@ from amqtt.utils import gen_client_id
 from broker.exposure import refuse_open_listener
 from edgebus.core import sd_notify
 from edgebus.core.errors import BusError
+from plant_config.broker_section import BrokerTls
+from plant_config.certificates import WARN_DAYS, certificate_info
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,9 @@ _NOISY_DEFAULT_LEVEL = logging.WARNING
 
 # amqtt requires its first listener to carry this name; other listeners inherit from it.
 _LISTENER_NAME = "default"
+# How often a TLS broker looks whether its certificate was renewed (`edgebus certs renew`),
+# and loads it for new connections: a plant is renewed without a restart.
+CERTIFICATE_POLL_S = 5.0
 
 
 class AllowAllAuthPlugin(BaseAuthPlugin):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
@@ -255,11 +264,22 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
                 running_tasks.append(asyncio.ensure_future(
                     handler.mqtt_publish(topic, broadcast["data"], qos, retain=False)))
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, require_certificate: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.require_certificate = require_certificate
+        self.ssl_context: ssl.SSLContext | None = None  # the TLS listener's, once started
         self._writers: set[asyncio.StreamWriter] = set()
         # Retained deliveries in flight: held so that they are not collected half-sent.
         self._retained_sends: set[asyncio.Future[None]] = set()
+
+    def _create_ssl_context(self, listener: ListenerConfig) -> ssl.SSLContext:
+        # amqtt 0.12.1 verifies a client certificate only if one is offered (CERT_OPTIONAL):
+        # with mutual TLS, a client without one must not get past the handshake.
+        context: ssl.SSLContext = Broker._create_ssl_context(listener)
+        if self.require_certificate:
+            context.verify_mode = ssl.CERT_REQUIRED
+        self.ssl_context = context
+        return context
 
     def close_connections(self) -> None:
         """Drop every client connection, as a broker that stops does.
@@ -285,6 +305,19 @@ class _Broker(Broker):  # type: ignore[misc]  # amqtt is untyped: Any to mypy
             # probe, a truncated CONNECT) open until garbage collection.
             writer.close()
             self._writers.discard(writer)
+
+
+def _warn_if_expiring(tls: BrokerTls) -> None:
+    """Say at start that the broker's certificate has expired, or soon will: every client
+    would refuse it (edgebus.core.tls)."""
+    days = certificate_info(tls.certfile).days_left()
+    if days < 0:
+        logger.error("the broker's certificate %s has expired: every client refuses it. "
+                     "`edgebus certs renew PLANT` issues a new one from the plant's CA",
+                     tls.certfile)
+    elif days < WARN_DAYS:
+        logger.warning("the broker's certificate %s expires in %d days: `edgebus certs renew "
+                       "PLANT` issues a new one from the plant's CA", tls.certfile, days)
 
 
 def _quiet_amqtt() -> None:
@@ -313,9 +346,12 @@ class EmbeddedBroker:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 1883,
-                 plugins: dict[str, dict[str, object]] | None = None) -> None:
+                 plugins: dict[str, dict[str, object]] | None = None,
+                 tls: BrokerTls | None = None) -> None:
         self.host = host
         self.port = port
+        self.tls = tls  # None: plain MQTT
+        self._watcher: asyncio.Task[None] | None = None
         # None: admit everyone; `broker.amqtt_security.plugins_for(plant)` secures it.
         self.secured = plugins is not None
         self.plugins = _PLUGINS if plugins is None else plugins
@@ -325,9 +361,20 @@ class EmbeddedBroker:
         refuse_open_listener(self.host, self.port, secured=self.secured,
                              what="the embedded MQTT broker")
         _quiet_amqtt()
+        tls = self.tls
         listener = ListenerConfig(type=ListenerType.TCP, bind=f"{self.host}:{self.port}")
+        if tls is not None:
+            for path in (tls.cafile, tls.certfile, tls.keyfile):
+                if not path.is_file():
+                    raise BusError(f"the embedded MQTT broker's TLS file {path} is missing "
+                                   "(security.tls): `edgebus certs renew PLANT` issues the "
+                                   "broker's certificate again from the plant's CA")
+            listener = ListenerConfig(type=ListenerType.TCP, bind=f"{self.host}:{self.port}",
+                                      ssl=True, cafile=tls.cafile, certfile=tls.certfile,
+                                      keyfile=tls.keyfile)
+            _warn_if_expiring(tls)
         config = BrokerConfig(listeners={_LISTENER_NAME: listener}, plugins=self.plugins)
-        broker = _Broker(config)
+        broker = _Broker(config, require_certificate=tls is not None and tls.require_certificate)
         try:
             await broker.start()
         except BrokerError as exc:
@@ -337,7 +384,30 @@ class EmbeddedBroker:
             ) from exc
         self._broker = broker
         self.port = self._bound_port(broker)
+        if tls is not None and broker.ssl_context is not None:
+            self._watcher = asyncio.create_task(self._reload_renewed(broker.ssl_context, tls))
         return self
+
+    async def _reload_renewed(self, context: ssl.SSLContext, tls: BrokerTls) -> None:
+        """Load the certificate into the listener's context, for the connections to come,
+        whenever `edgebus certs renew` has replaced it (its file's mtime changed)."""
+        def stamp() -> tuple[float, float]:
+            return tls.certfile.stat().st_mtime, tls.keyfile.stat().st_mtime
+
+        seen = stamp()
+        while True:
+            await asyncio.sleep(CERTIFICATE_POLL_S)
+            try:
+                now = stamp()
+                if now != seen:
+                    context.load_cert_chain(tls.certfile, tls.keyfile)
+                    seen = now
+                    logger.info("loaded the renewed certificate %s for new connections",
+                                tls.certfile)
+            except (OSError, ssl.SSLError) as exc:
+                # Half-renewed (the key replaced, the certificate not yet): next time.
+                logger.warning("could not load the renewed certificate %s yet: %s",
+                               tls.certfile, exc)
 
     async def __aexit__(
         self,
@@ -346,6 +416,9 @@ class EmbeddedBroker:
         tb: TracebackType | None,
     ) -> None:
         broker, self._broker = self._broker, None
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         if broker is not None:
             broker.close_connections()
             await broker.shutdown()
@@ -361,13 +434,16 @@ class EmbeddedBroker:
 
 
 async def _serve_until_signalled(host: str, port: int,
-                                 plugins: dict[str, dict[str, object]] | None) -> None:
+                                 plugins: dict[str, dict[str, object]] | None,
+                                 tls: BrokerTls | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    async with EmbeddedBroker(host, port, plugins) as broker:
-        logger.info("edgebus embedded broker listening on %s:%d", broker.host, broker.port)
+    async with EmbeddedBroker(host, port, plugins, tls) as broker:
+        over = "TLS" + (" (mutual)" if tls.require_certificate else "") if tls else "plain MQTT"
+        logger.info("edgebus embedded broker listening on %s:%d (%s)", broker.host, broker.port,
+                    over)
         sd_notify.notify("READY=1", f"STATUS=listening on {broker.host}:{broker.port}")
         # The pings prove the event loop, which serves every client, still turns.
         pinger = asyncio.create_task(sd_notify.watchdog(lambda: True))
@@ -378,12 +454,13 @@ async def _serve_until_signalled(host: str, port: int,
 
 
 def run_broker_forever(host: str, port: int,
-                       plugins: dict[str, dict[str, object]] | None = None) -> None:
+                       plugins: dict[str, dict[str, object]] | None = None,
+                       tls: BrokerTls | None = None) -> None:
     """Serve MQTT on `host:port` until SIGINT or SIGTERM, then shut down and return.
 
-    `plugins`: amqtt plugin settings, as `EmbeddedBroker` takes them.
+    `plugins`, `tls`: as `EmbeddedBroker` takes them.
     """
     # A no-op when the caller configured logging already; otherwise the
     # "listening" line would be swallowed by logging's WARNING-only last resort.
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
-    asyncio.run(_serve_until_signalled(host, port, plugins))
+    asyncio.run(_serve_until_signalled(host, port, plugins, tls))

@@ -51,7 +51,7 @@ def acl_text(plant: Plant) -> str:
 
 
 def _tls(plant: Plant) -> BrokerTls | None:
-    return plant.security.tls if plant.security is not None else None
+    return plant.security.listener_tls if plant.security is not None else None
 
 
 def _listener(settings: BrokerSettings, plant: Plant, bind: str | None) -> list[str]:

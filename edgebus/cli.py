@@ -34,10 +34,17 @@ def _init(args: argparse.Namespace) -> None:
     from broker.mosquitto_config import write_credentials
     from edgebus.gateways.api_keys import ensure_api_keys, key_path
     from plant_config import init_plant_file
-    from plant_config.loader import refuse_to_overwrite
+    from plant_config.certificates import default_files, ensure_ca, ensure_certificates
+    from plant_config.loader import CREDENTIALS_DIR, INIT_PLANT_ID, refuse_to_overwrite
 
     gateways = _gateways(args.gateways)
     refuse_to_overwrite(args.plant, force=args.force)  # before --example profiles the model
+    ca_made: list[Path] = []
+    if not args.insecure:
+        # The plant's CA first: the plant file names it (broker.ca_file), and another plant's
+        # CA where this one's goes stops `init` before it writes anything.
+        ca = default_files(Path(args.plant).resolve().parent / CREDENTIALS_DIR)["cafile"]
+        ca_made = [ca] if ensure_ca(ca, INIT_PLANT_ID) else []
     if args.weights is None:
         args.weights = _default_weights(Path(args.model))
     if args.example is not None:
@@ -55,6 +62,7 @@ def _init(args: argparse.Namespace) -> None:
     # must not leave a plant file without its passwords.
     security = plant.security
     written = write_credentials(plant) if security is not None else []
+    certificates = ca_made + ensure_certificates(plant)
     if security is not None:
         ensure_api_keys(security.credentials, security.api_keys)
     print(f"wrote {args.plant}: {len(plant.pipeline)} stages over {plant.num_layers} layers"
@@ -74,6 +82,17 @@ def _init(args: argparse.Namespace) -> None:
     print(f"security: every agent, gateway ({', '.join(security.gateways)}) and ops tool "
           f"({', '.join(security.ops)}) logs in as itself with its own password; the broker "
           "admits nobody else")
+    tls = security.listener_tls
+    if tls is None:
+        print(f"TLS: off (the broker url {plant.broker.url} is plain mqtt://): passwords and "
+              "prompts cross the network in clear, and every agent warns at start; use "
+              "mqtts://host:8883 for TLS")
+    else:
+        print(f"TLS: the broker serves TLS only, on port {plant.broker_endpoint().port}, with a "
+              f"certificate of the plant's own CA ({tls.cafile}, its key beside it, mode 600), "
+              "which every client checks"
+              + (f"; wrote {', '.join(str(path) for path in certificates)}" if certificates
+                 else "; kept the certificates already there"))
     print("`edgebus http` asks for an API key: "
           + ", ".join(str(key_path(security.credentials, name)) for name in security.api_keys)
           + " (docs/http.md)")
@@ -229,15 +248,27 @@ def _broker(args: argparse.Namespace) -> None:
     refuse_open_listener(settings.bind or settings.host, settings.port,
                          secured=plant.security is not None,
                          what=f"{args.plant}: the embedded broker")
+    tls = plant.security.listener_tls if plant.security is not None else None
+    if tls is None:
+        from node_agent.runtime import warn_if_plain
+
+        warn_if_plain(plant, None, args.plant)
     run_broker_forever(settings.bind or settings.host, settings.port,
-                       plugins_for(plant) if plant.security is not None else None)
+                       plugins_for(plant) if plant.security is not None else None, tls)
 
 
 def _mosquitto_config(args: argparse.Namespace) -> None:
     from broker.mosquitto_config import write_mosquitto_config
     from plant_config import load_plant
+    from plant_config.certificates import ensure_certificates, own_ca
 
     plant = load_plant(args.plant)
+    tls = plant.security.listener_tls if plant.security is not None else None
+    if tls is not None and own_ca(tls.cafile, plant.plant_id):
+        # The plant's own CA is here: the broker's certificate, if it is missing or no
+        # longer names every broker host of the plant file (a url changed since `init`).
+        for path in ensure_certificates(plant):
+            print(f"wrote {path}")
     written = write_mosquitto_config(plant, Path(args.outdir), broker=args.broker,
                                      bind=args.bind, install_dir=args.install_dir)
     for path in written:
@@ -286,6 +317,35 @@ def _status(args: argparse.Namespace) -> None:
     print(json.dumps(data, indent=2) if args.json else status_view.table(data))
     # An exit code for scripts and monitoring: 1 while any agent of the plant is not online.
     sys.exit(0 if status_view.all_online(plant, data) else 1)
+
+
+def _certs_renew(args: argparse.Namespace) -> None:
+    from plant_config import load_plant
+    from plant_config.certificates import certificate_info, ensure_certificates
+
+    plant = load_plant(args.plant)
+    tls = plant.security.listener_tls if plant.security is not None else None
+    if plant.security is None or tls is None:
+        raise EdgebusError(f"{args.plant} has no TLS listener (security.tls) whose certificates "
+                           "could be renewed: add one as `edgebus init` writes it (cafile: "
+                           "credentials/tls/ca.crt, certfile: credentials/tls/broker.crt, "
+                           "keyfile: credentials/tls/broker.key) and run this again, which "
+                           "then makes the plant's CA too (docs/securing-the-broker.md)")
+    for path in ensure_certificates(plant, renew=True):
+        print(f"wrote {path}: valid for {certificate_info(path).days_left()} more days")
+    if plant.broker.embedded:
+        print("the embedded broker takes the new certificate within "
+              f"{_broker_reload_s():.0f} s, for new connections; connected agents stay "
+              "connected, and present a renewed client certificate when they next connect")
+    else:
+        print(f"copy {tls.certfile} and {tls.keyfile} to the broker's box and reload Mosquitto "
+              "(`systemctl reload mosquitto`): connected clients stay connected")
+
+
+def _broker_reload_s() -> float:
+    from broker.embedded import CERTIFICATE_POLL_S
+
+    return CERTIFICATE_POLL_S
 
 
 def _ask(args: argparse.Namespace) -> None:
@@ -413,8 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--example", choices=sorted(EXAMPLES),
                    help="write an example plant with boxes, its layers split by `edgebus plan` "
                         "(profiles the model first if it has no cached profile)")
-    p.add_argument("--broker", help="'embedded' or mqtt(s)://[user:pw@]host:port (default "
-                                    "embedded; an example's own broker with --example)")
+    p.add_argument("--broker", help="'embedded' (on 8883, over TLS) or mqtts://host[:8883] "
+                                    "(TLS, a certificate for that host from the plant's CA); "
+                                    "mqtt://host[:1883] only for plain MQTT on purpose "
+                                    "(default embedded; an example's own broker with --example)")
     p.add_argument("--topic-root", help="MQTT topic root (default edgebus/<plant id>)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plant file")
     p.add_argument("--weights", choices=get_args(WeightMode),
@@ -431,9 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated ids of the PLC/SCADA gateways that may ask, each "
                         f"with a password of its own (default {','.join(DEFAULT_GATEWAYS)})")
     p.add_argument("--insecure", action="store_true",
-                   help="no security: section: the broker admits anyone (so it listens on the "
-                        "loopback only); without it every agent, gateway and the ops tools "
-                        "get an identity and a password in credentials/ beside the plant file")
+                   help="no security: section and no TLS: the broker admits anyone (so it "
+                        "listens on the loopback only); without it every agent, gateway and "
+                        "the ops tools get an identity and a password in credentials/ beside "
+                        "the plant file, and the plant's own CA and TLS certificates in "
+                        "credentials/tls/")
     p.set_defaults(run=_init)
 
     p = sub.add_parser("plan", help="split the layers over the plant's boxes: fastest that fits")
@@ -479,6 +543,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, metavar="S",
                    help="seconds to wait for agents that have not reported (default 2)")
     p.set_defaults(run=_status)
+
+    p = sub.add_parser("certs", help="the plant's TLS certificates: `certs renew PLANT`")
+    certs_sub = p.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
+    q = certs_sub.add_parser("renew", help="issue the broker's (and with mutual TLS every "
+                             "client's) certificate again from the plant's CA, the plant "
+                             "running; `edgebus status` says how many days each has left")
+    q.add_argument("plant", help=PLANT_HELP)
+    q.set_defaults(run=_certs_renew)
 
     p = sub.add_parser("ask", help="send one request and print the answer")
     p.add_argument("plant", help=PLANT_HELP)

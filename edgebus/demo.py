@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from broker.mosquitto_config import write_credentials
 from edgebus.ask import ask
 from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse
@@ -25,7 +26,9 @@ from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.model_import import bundled_gguf
 from node_agent.engines import with_kv_budgets
 from node_agent.model_config import load_config
-from plant_config import Plant, make_plant, write_plant
+from plant_config import Plant, load_plant, make_plant, write_plant
+from plant_config.certificates import ensure_certificates
+from plant_config.loader import with_security
 
 # The smallest pipeline with a middle stage: first (embedding), middle (hidden
 # states in and out) and last (LM head) each take a different path.
@@ -42,11 +45,15 @@ def run_demo(prompt: str) -> None:
     model = bundled_gguf()
     print(f"model: {model}, run by llama.cpp from the file as it is")
     workdir = Path(tempfile.mkdtemp(prefix="edgebus-demo-"))
-    plant = _demo_plant(model)
     plant_path = workdir / "plant.yaml"
+    plant = _demo_plant(model, plant_path)
     write_plant(plant, plant_path)
+    plant = load_plant(plant_path)
+    write_credentials(plant)
+    ensure_certificates(plant)
     print(f"plant: {plant_path}: {len(plant.stages)} stages, embedded broker on "
-          f"{DEMO_HOST}:{plant.broker.port}")
+          f"{DEMO_HOST}:{plant.broker.port}, over TLS with a CA of its own, every agent "
+          "logging in with a password of its own, as `edgebus init` makes a plant")
     print(f"agent logs: {workdir}/<agent>.log")
     with PlantProcesses(plant_path, log_dir=workdir) as processes:
         try:
@@ -61,14 +68,16 @@ def run_demo(prompt: str) -> None:
     print(f"done; the plant file and logs stay in {workdir}")
 
 
-def _demo_plant(model: Path) -> Plant:
+def _demo_plant(model: Path, plant_path: Path) -> Plant:
     """The GGUF split evenly over DEMO_STAGES llama.cpp nodes, each with KV room for a
-    batch of requests as `edgebus init` gives it, and the embedded broker on a free port.
+    batch of requests as `edgebus init` gives it, and the embedded broker on a free port;
+    secured as `init` secures a plant (passwords, TLS), its secrets beside `plant_path`.
 
-    A free port rather than 1883, so a Mosquitto already running on this box
+    A free port rather than 8883, so a broker already running on this box
     is neither in the way nor talked to.
     """
-    plant = make_plant(model, stages=DEMO_STAGES, plant_id="demo", weights="gguf")
+    plant = with_security(make_plant(model, stages=DEMO_STAGES, plant_id="demo",
+                                     weights="gguf"), plant_path)
     broker = plant.broker.model_copy(update={"host": DEMO_HOST, "port": free_port(DEMO_HOST)})
     return with_kv_budgets(plant.model_copy(update={"broker": broker}), load_config(model))
 

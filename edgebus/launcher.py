@@ -33,13 +33,14 @@ import errno
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal, TextIO
@@ -47,8 +48,10 @@ from typing import IO, Literal, TextIO
 import aiomqtt
 
 from broker.exposure import refuse_open_listener
+from edgebus.core import tls
 from edgebus.core.client import BusClient
-from edgebus.core.errors import EdgebusError
+from edgebus.core.endpoint import BrokerEndpoint
+from edgebus.core.errors import BusError, EdgebusError
 from edgebus.core.memory_limits import MemoryLimit, memory_limit, rss_bytes
 from edgebus.core.processes import child_setup, cores
 from edgebus.core.statuses import StatusReader
@@ -402,10 +405,10 @@ class PlantProcesses:
                             "that holds it") from None
 
     def _wait_broker(self, child: _Child) -> None:
-        endpoint = self.plant.broker.endpoint()
+        endpoint = self.plant.broker_endpoint()
         deadline = time.monotonic() + BROKER_START_TIMEOUT_S
         assert child.proc is not None
-        while not _mqtt_accepts(endpoint.host, endpoint.port):
+        while not _mqtt_accepts(endpoint):
             if child.proc.poll() is not None:
                 raise EdgebusError(f"the embedded broker: {self.describe_exit(child.name)} at "
                                    f"start.\n{self._tail_report(child.name)}")
@@ -524,22 +527,37 @@ def _forward(stream: IO[bytes], sink: TextIO, child: _Child) -> None:
                 sink.flush()
 
 
-def _mqtt_accepts(host: str, port: int) -> bool:
-    """Whether an MQTT broker at host:port answers an anonymous MQTT 3.1.1 CONNECT.
+def _mqtt_accepts(endpoint: BrokerEndpoint) -> bool:
+    """Whether the MQTT broker at `endpoint` answers an anonymous MQTT 3.1.1 CONNECT.
 
     A full handshake rather than a bare TCP connect: amqtt logs an error for
     every connection that closes without sending a CONNECT. A refusal counts:
     a secured broker refuses anonymous clients, and answering shows it is up.
+    Over TLS where the broker serves it, its certificate checked as every agent checks it:
+    a wrong one is said in one line (BusError) rather than waited out.
     """
+    host, port = endpoint.host, endpoint.port
     client_id = f"edgebus-up-probe-{os.getpid()}".encode()
     # Protocol name "MQTT", level 4 (3.1.1), clean session, keepalive 0; then the client id.
     body = b"\x00\x04MQTT\x04\x02\x00\x00" + len(client_id).to_bytes(2, "big") + client_id
     connect = bytes([0x10, len(body)]) + body  # body < 128 bytes: a one-byte length
+    context = tls.client_context(replace(endpoint, cert_file=None, key_file=None)) \
+        if endpoint.tls else None
     try:
-        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S) as sock:
+        with contextlib.ExitStack() as stack:
+            sock = stack.enter_context(socket.create_connection((host, port),
+                                                                timeout=_PROBE_TIMEOUT_S))
+            if context is not None:
+                sock = stack.enter_context(context.wrap_socket(sock, server_hostname=host))
             sock.sendall(connect)
             connack = sock.recv(4)
-            sock.sendall(b"\xe0\x00")  # DISCONNECT
+            if connack[3:4] == b"\x00":  # admitted: say goodbye (a refused one was closed)
+                sock.sendall(b"\xe0\x00")  # DISCONNECT
+    except ssl.SSLError as exc:
+        refused = tls.explain(exc, endpoint)
+        if refused is not None:
+            raise BusError(refused) from None
+        return False
     except OSError:
         return False
     return connack[:2] == b"\x20\x02"  # CONNACK, whatever its return code
@@ -662,13 +680,15 @@ def _supervise(plant: PlantProcesses, now: float) -> int | None:
 
 
 def _table(plant: PlantProcesses) -> str:
-    endpoint = plant.plant.broker.endpoint()
-    detail = {BROKER_NAME: f"{endpoint.host}:{endpoint.port}"}
+    endpoint = plant.plant.broker_endpoint()
+    over = "TLS" if endpoint.tls else "plain MQTT, in clear"
+    detail = {BROKER_NAME: f"{endpoint.host}:{endpoint.port} ({over})"}
     detail.update({s.node: f"layers [{s.layers[0]}, {s.layers[1]})" for s in plant.plant.stages})
     detail[plant.plant.coordinator.id] = f"requests on {plant.plant.topics.request_filter}"
     pids = plant.pids
     width = max(len(name) for name in pids)
     rows = [f"  {name:<{width}}  pid {pid:<8} {detail[name]}" for name, pid in pids.items()]
-    broker = "" if plant.plant.broker.embedded else f" (broker {endpoint.host}:{endpoint.port})"
+    broker = "" if plant.plant.broker.embedded else (f" (broker {endpoint.host}:{endpoint.port}"
+                                                     f", {over})")
     return "\n".join([f"plant {plant.plant.plant_id!r} is up{broker}:", *rows,
                       f'ask it: edgebus ask {plant.plant_path} "Hello"   stop: Ctrl-C'])

@@ -23,6 +23,7 @@ from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import AgentStatus, Plan
 from edgebus.core.statuses import StatusReader
 from plant_config import Plant
+from plant_config.certificates import WARN_DAYS, plant_certificates
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,25 @@ def report(plant: Plant, view: ClusterView, now: float | None = None) -> dict[st
         agents.append({"agent_id": agent, "state": state, "age_s": age,
                        "status": None if status is None else status.model_dump()})
     return {"plant_id": plant.plant_id, "topic_root": plant.topic_root,
-            "plan": None if view.plan is None else view.plan.model_dump(), "agents": agents}
+            "plan": None if view.plan is None else view.plan.model_dump(), "agents": agents,
+            "tls": not plant.speaks_plain(), "certificates": certificates(plant)}
+
+
+def certificates(plant: Plant) -> list[dict[str, Any]]:
+    """Each certificate of the plant this box holds (the CA, the broker's, the clients'), with
+    the days it has left, and a warning from WARN_DAYS before it expires."""
+    rows = []
+    for cert in plant_certificates(plant):
+        days = cert.days_left()
+        warning = None
+        if days < 0:
+            warning = f"{cert.path} has expired: clients refuse it"
+        elif days < WARN_DAYS:
+            warning = f"{cert.path} expires in {days} days"
+        rows.append({"path": str(cert.path), "subject": cert.subject,
+                     "not_after": cert.not_after.isoformat(), "days_left": days,
+                     "warning": warning})
+    return rows
 
 
 _COLUMNS = ("AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "STATE", "AGE", "TOK/S", "BUSY",
@@ -146,7 +165,23 @@ def table(data: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
               .rstrip() for row in rows]
-    return "\n".join(lines)
+    return "\n".join([*lines, *_tls_lines(data)])
+
+
+def _tls_lines(data: dict[str, Any]) -> list[str]:
+    """The link's TLS and each certificate's days left, warnings last."""
+    if not data.get("tls"):
+        return ["TLS: off: the plant's broker speaks plain MQTT, passwords and prompts in clear"]
+    certs = data.get("certificates", [])
+    if not certs:
+        return ["TLS: on (no certificate of the plant on this box)"]
+    width = max(len(cert["path"]) for cert in certs)
+    lines = ["TLS: on; certificates:"]
+    lines += [f"  {cert['path']:<{width}}  {cert['days_left']:>5} days left  {cert['subject']}"
+              for cert in certs]
+    lines += [f"warning: {cert['warning']}: run `edgebus certs renew PLANT` (the CA itself: "
+              "docs/securing-the-broker.md)" for cert in certs if cert["warning"]]
+    return lines
 
 
 def _row(agent: dict[str, Any]) -> tuple[str, ...]:

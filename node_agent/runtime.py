@@ -61,8 +61,10 @@ def configure_logging() -> None:
 
 
 def warn_if_insecure(plant: Plant, agent_id: str, source: str | os.PathLike[str]) -> None:
-    """Log one warning when the plant has no `security:` section: anyone may use its broker."""
+    """Log one warning when the plant has no `security:` section: anyone may use its broker;
+    and one when its link is plain MQTT, which carries passwords and prompts in clear."""
     if plant.security is not None:
+        warn_if_plain(plant, agent_id, source)
         return
     configure_logging()
     endpoint = plant.broker_of(agent_id).endpoint()
@@ -72,6 +74,22 @@ def warn_if_insecure(plant: Plant, agent_id: str, source: str | os.PathLike[str]
         "answers, and fake statuses. Write the plant file with `edgebus init` without "
         "--insecure, or add a security: section (docs/plant-file.md, 'Security and line "
         "brokers').", agent_id, os.fspath(source), endpoint.host, endpoint.port)
+
+
+def warn_if_plain(plant: Plant, agent_id: str | None, source: str | os.PathLike[str]) -> None:
+    """Log one warning when `agent_id`'s link (None: the broker's own) is plain MQTT: TLS is the
+    default (`edgebus init`), so plain is what the plant file chose, `tls: off` or an mqtt://
+    url, or an older plant file; say what it costs at every start."""
+    if not plant.speaks_plain(agent_id):
+        return
+    configure_logging()
+    endpoint = plant.broker_endpoint(plant.broker if agent_id is None
+                                     else plant.broker_of(agent_id))
+    log.warning(
+        "%s: plain MQTT, no TLS: %s has the broker at %s:%d speak it in clear, so anyone who "
+        "can read that network reads every password, prompt and answer on it. TLS is the "
+        "default: `edgebus init` makes the plant's CA and certificates (docs/securing-the-"
+        "broker.md).", agent_id or "broker", os.fspath(source), endpoint.host, endpoint.port)
 
 
 def run_agent(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -7,7 +7,7 @@ these; the Mosquitto and amqtt configurations (broker/) of `security:`.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
@@ -90,8 +90,9 @@ class BrokerSettings(_Section):
             problems.extend(Problem((name,), "only used with url: embedded — an external "
                                              "broker's host and port go in url")
                             for name in self.EMBEDDED_ONLY if name in self.model_fields_set)
-        if self.ca_file is not None and not self.endpoint().tls:
-            problems.append(Problem(("ca_file",), "only used with an mqtts:// url"))
+        if self.ca_file is not None and not self.embedded and not self.endpoint().tls:
+            problems.append(Problem(("ca_file",), "only used with an mqtts:// url, or the "
+                                    "embedded broker with security.tls"))
         if problems:
             raise Problems(problems)
         return self
@@ -132,7 +133,8 @@ def _parse_url(url: str) -> tuple[str, int, bool]:
 
 
 class BrokerTls(_Section):
-    """The broker's TLS listener: files on the broker's box, for `broker mosquitto-config`."""
+    """The broker's TLS listener: files on the broker's box, for `broker mosquitto-config` and
+    the embedded broker (which then serves TLS, and its clients verify `cafile`)."""
 
     cafile: ResolvedPath  # the CA that signed certfile (and, with mutual TLS, every client's)
     certfile: ResolvedPath
@@ -159,7 +161,26 @@ class Security(_Section):
     # The broker's password file in mosquitto_passwd format: only the embedded
     # broker reads it (Mosquitto has password_file in its own config).
     password_file: ResolvedPath | None = None
-    tls: BrokerTls | None = None
+    # The broker's TLS listener (`edgebus init` makes the plant's CA and writes it). `off`
+    # (YAML's false): plain MQTT, said so on purpose; every agent warns at start, as it does
+    # for a plant file without tls: (one written before TLS was the default).
+    tls: BrokerTls | Literal[False] | None = None
+
+    @property
+    def listener_tls(self) -> BrokerTls | None:
+        """The TLS listener's files, or None where the broker speaks plain MQTT."""
+        return self.tls or None
+
+    @field_validator("tls", mode="before")
+    @classmethod
+    def _tls_off(cls, value: Any) -> Any:
+        # `tls: off` is False to YAML 1.1 already; "off" in quotes means the same.
+        if isinstance(value, str) and value.strip().lower() in ("off", "false", "no"):
+            return False
+        if value is True:
+            raise ValueError("give the listener's cafile, certfile and keyfile (`edgebus "
+                             "init` writes them), or off for plain MQTT")
+        return value
 
     @field_validator("gateways", "ops")
     @classmethod

@@ -31,7 +31,7 @@ EXAMPLES: dict[str, Example] = {
     # the last stage also runs the LM head, which costs as much per decoded
     # token as ~6 SmolLM2 layers, so the fastest box should take it.
     "jetson-2pi": Example(
-        broker="mqtt://jetson:1883",  # Mosquitto on the Jetson
+        broker="mqtts://jetson:8883",  # Mosquitto on the Jetson, TLS
         boxes=({"name": "pi-1", "memory_mb": 6144, "device": "rpi5", "speed": 1.0},
                {"name": "pi-2", "memory_mb": 6144, "device": "rpi5", "speed": 1.0},
                {"name": "jetson", "memory_mb": 6144, "device": "jetson-orin-nano",

@@ -41,6 +41,10 @@ _HEADER = """\
 # security: every agent, gateway and ops tool logs in as its own identity with the password
 # in credentials/<identity>.password; without it the broker admits anyone (docs/plant-file.md).
 """
+# The plant id `edgebus init` writes (its CA's subject names it).
+INIT_PLANT_ID = "plant"
+# MQTT over TLS's IANA port, where `init` puts the embedded broker.
+MQTTS_PORT = 8883
 # Where `edgebus init` puts the plant's secrets, relative to the plant file:
 # beside it, so the plant file and its credentials move together.
 CREDENTIALS_DIR = "credentials"
@@ -95,6 +99,10 @@ def write_plant(plant: Plant, path: str | os.PathLike[str]) -> None:
         data["broker"]["password"] = plant.broker.password.get_secret_value()
     if plant.security is not None:
         data["security"]["credentials"] = _path_for_file(plant.security.credentials, home)
+        if plant.security.tls:
+            data["security"]["tls"].update(
+                {name: _path_for_file(getattr(plant.security.tls, name), home)
+                 for name in ("cafile", "certfile", "keyfile")})
         if plant.security.password_file is not None:
             data["security"]["password_file"] = _path_for_file(plant.security.password_file,
                                                                 home)
@@ -108,7 +116,7 @@ def write_plant(plant: Plant, path: str | os.PathLike[str]) -> None:
 
 
 def make_plant(model_dir: str | os.PathLike[str], *, stages: int = 3, broker: str = "embedded",
-               topic_root: str | None = None, plant_id: str = "plant", replicas: int = 1,
+               topic_root: str | None = None, plant_id: str = INIT_PLANT_ID, replicas: int = 1,
                weights: WeightMode = "fp32") -> Plant:
     """A plant that splits the model in `model_dir` evenly over nodes stage-0..stage-{n-1}.
 
@@ -161,7 +169,10 @@ def with_security(plant: Plant, plant_file: Path, *,
     """`plant`, to be written to `plant_file`, with a `security:` section: an identity per
     agent, per gateway (and `edgebus http`'s) and per ops tool, their passwords in
     `credentials/` beside the plant file, and (embedded broker) the hashes in
-    `broker/<plant file's stem>.passwd`; and the name of one API key for `edgebus http`.
+    `broker/<plant file's stem>.passwd`; the name of one API key for `edgebus http`; and
+    TLS, the plant's CA and the broker's certificate in `credentials/tls/`
+    (`plant_config.certificates` makes them), with the embedded broker on 8883, MQTT over
+    TLS's port. An `mqtt://` broker URL says plain MQTT on purpose: `tls: off`.
 
     A broker URL's shared user name and password are refused: every identity
     logs in as itself instead.
@@ -177,7 +188,22 @@ def with_security(plant: Plant, plant_file: Path, *,
                 "ops": list(ops), "api_keys": list(DEFAULT_API_KEYS),
                 "password_file": (home / PASSWORD_DIR / f"{plant_file.stem}{PASSWORD_SUFFIX}"
                                   if plant.broker.embedded else None)}
+    # Here, not at the top: every agent loads plant files, and this one module of the plant's
+    # certificates brings cryptography (~0.1 s to import), which only `init` needs here.
+    from plant_config.certificates import default_files
+
     data = plant.model_dump(exclude_unset=True)
+    tls_files = default_files(home / CREDENTIALS_DIR)
+    if plant.broker.embedded:
+        security["tls"] = tls_files
+        if "port" not in plant.broker.model_fields_set:
+            data["broker"] = {**data.get("broker", {}), "port": MQTTS_PORT}
+    elif plant.broker.endpoint().tls:
+        security["tls"] = tls_files
+        if plant.broker.ca_file is None:
+            data["broker"] = {**data.get("broker", {}), "ca_file": tls_files["cafile"]}
+    else:
+        security["tls"] = False
     data["security"] = security
     try:
         return Plant.model_validate(data)

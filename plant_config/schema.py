@@ -437,10 +437,16 @@ class Plant(_Section):
                 problems.append(Problem((*loc, "username"), "security: gives every identity "
                                         "its own user name and password — remove the shared "
                                         "ones (also from the url)"))
-        if security.tls is not None and not self.broker.endpoint().tls:
+        # The embedded broker serves TLS with security.tls; an external one where its url
+        # says mqtts://, which its listener must then serve.
+        if security.tls and not self.broker.embedded and not self.broker.endpoint().tls:
             problems.append(Problem(("security", "tls"), "the broker's url is not mqtts:// — "
                                     "use mqtts://host:8883 so agents connect over TLS, or "
-                                    "remove tls:"))
+                                    "set tls: off for plain MQTT"))
+        if security.tls is False and self.broker.endpoint().tls:
+            problems.append(Problem(("security", "tls"), "is off, but the broker's url is "
+                                    "mqtts:// — use mqtt:// for plain MQTT, or give the "
+                                    "listener's files"))
         return problems
 
     def identities(self) -> dict[str, str]:
@@ -477,7 +483,7 @@ class Plant(_Section):
         `security.credentials/<id>.password` (and, for mutual TLS, its
         certificate and key beside it).
         """
-        endpoint = self.broker_of(identity).endpoint()
+        endpoint = self.broker_endpoint(self.broker_of(identity))
         if self.security is None:
             return endpoint
         if identity not in self.identities():
@@ -485,7 +491,7 @@ class Plant(_Section):
                 f"{identity!r} is not an identity of plant {self.plant_id!r} "
                 f"(known: {', '.join(sorted(self.identities()))}) — add it to security.gateways "
                 "or security.ops")
-        credentials, tls = self.security.credentials, self.security.tls
+        credentials, tls = self.security.credentials, self.security.listener_tls
         cert_file, key_file = credentials / f"{identity}.crt", credentials / f"{identity}.key"
         mutual = tls is not None and tls.require_certificate
         if tls is not None and mutual and not (cert_file.is_file() and key_file.is_file()):
@@ -497,6 +503,23 @@ class Plant(_Section):
         return replace(endpoint, username=identity, password=read_password(credentials, identity),
                        cert_file=cert_file if mutual else None,
                        key_file=key_file if mutual else None)
+
+    def broker_endpoint(self, settings: BrokerSettings | None = None) -> BrokerEndpoint:
+        """The address of `settings` (default: the plant's broker) as the plant's clients
+        reach it, before any identity's credentials: over TLS, verifying the plant's CA,
+        where the embedded broker serves TLS (security.tls); an external broker's URL says
+        itself whether it does."""
+        settings = settings or self.broker
+        endpoint = settings.endpoint()
+        tls = self.security.listener_tls if self.security is not None else None
+        if settings.embedded and tls is not None:
+            return replace(endpoint, tls=True, ca_file=settings.ca_file or tls.cafile)
+        return endpoint
+
+    def speaks_plain(self, identity: str | None = None) -> bool:
+        """Whether `identity`'s link (default: the plant's broker) is plain MQTT, in clear."""
+        settings = self.broker if identity is None else self.broker_of(identity)
+        return not self.broker_endpoint(settings).tls
 
     def ops_endpoint(self) -> BrokerEndpoint:
         """How a tool that only watches statuses and the plan (`up`, `status`) connects."""

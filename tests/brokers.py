@@ -23,6 +23,7 @@ from broker.embedded import EmbeddedBroker
 from broker.mosquitto import INSTALL_HINT as MOSQUITTO_INSTALL_HINT
 from broker.mosquitto import MosquittoProcess, mosquitto_binary
 from edgebus.core.processes import LOOPBACK, free_port
+from plant_config.broker_section import BrokerTls
 
 # amqtt listens within ~25 ms here; the margin is for a loaded CI box.
 _START_TIMEOUT_S = 10.0
@@ -67,9 +68,11 @@ class AmqttBroker(BrokerHandle):
 
     kind = "amqtt"
 
-    def __init__(self, plugins: dict[str, dict[str, object]] | None = None) -> None:
+    def __init__(self, plugins: dict[str, dict[str, object]] | None = None,
+                 tls: BrokerTls | None = None) -> None:
         self.port = 0  # the first start picks a free port; restarts reuse it
         self.plugins = plugins  # as EmbeddedBroker takes them; None: admit everyone
+        self.tls = tls  # as EmbeddedBroker takes it; None: plain MQTT
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
@@ -89,7 +92,8 @@ class AmqttBroker(BrokerHandle):
             self._loop = asyncio.get_running_loop()
             self._stop_event = asyncio.Event()
             try:
-                async with EmbeddedBroker(self.host, self.port, self.plugins) as broker:
+                async with EmbeddedBroker(self.host, self.port, self.plugins,
+                                          self.tls) as broker:
                     self.port = broker.port
                     self._embedded = broker
                     started.set()

@@ -43,6 +43,7 @@ from broker.embedded import EmbeddedBroker
 from broker.mosquitto_config import write_mosquitto_config
 from broker.passwd import hash_password, verify_password
 from edgebus.ask import ask
+from edgebus.core import tls
 from edgebus.core.client import BusClient
 from edgebus.core.errors import BusError, EdgebusError, PlantConfigError
 from edgebus.core.messages import AgentStatus, GenerateRequest, GenerateResponse
@@ -97,7 +98,7 @@ def secured(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plant]:
 async def login(plant: Plant, identity: str | None,
                 password: str | None = None) -> AsyncIterator[aiomqtt.Client]:
     """A bare MQTT client as `identity` with its password (or `password`); None: anonymous."""
-    endpoint = plant.broker.endpoint()
+    endpoint = plant.broker_endpoint()  # over TLS where the plant's broker serves it
     user = None
     if identity is not None:
         user = identity
@@ -105,6 +106,7 @@ async def login(plant: Plant, identity: str | None,
     async with aiomqtt.Client(
             endpoint.host, endpoint.port, username=user, password=password,
             identifier=f"{plant.plant_id}.{identity}.{secrets.token_hex(3)}",
+            tls_context=tls.client_context(endpoint) if endpoint.tls else None,
             protocol=aiomqtt.ProtocolVersion.V5 if endpoint.protocol == "5"
             else aiomqtt.ProtocolVersion.V311) as client:
         yield client
@@ -654,8 +656,11 @@ async def test_a_fresh_init_and_up_admit_the_plants_identities_and_nobody_else(
             with pytest.raises(aiomqtt.MqttCodeError):
                 async with login(plant, identity, password):
                     pass
+        # Over TLS, `init`'s default, with the plant's CA: refused by MQTT, not by TLS.
+        assert plant.security.listener_tls is not None
         anonymous = await asyncio.create_subprocess_exec(
             "mosquitto_sub", "-h", LOOPBACK, "-p", str(plant.broker.port), "-t", "#", "-C", "1",
+            "--cafile", str(plant.security.listener_tls.cafile),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(anonymous.communicate(), UP_S)
         assert anonymous.returncode != 0 and out == b"", err
@@ -682,6 +687,7 @@ async def test_a_fresh_init_and_up_admit_the_plants_identities_and_nobody_else(
     assert response.tokens == plant_reference(
         plant, GenerateRequest(id="x", prompt="Alarm 4711 means", max_tokens=5))
     assert "security is off" not in (tmp_path / "up.log").read_text()
+    assert "plain MQTT" not in (tmp_path / "up.log").read_text()
 
 
 async def test_a_second_init_in_the_same_folder_leaves_the_first_plant_working(

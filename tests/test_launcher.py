@@ -26,6 +26,7 @@ import aiomqtt
 import pytest
 import yaml
 from brokers import BrokerHandle, free_port
+from certs import tls_context
 from gguf_models import PROCESS_KV_BUDGET_MB, with_kv_budget
 from pipeline import plant_reference
 
@@ -213,7 +214,8 @@ async def watch_statuses(plant: Plant, timeout: float = READY_S) -> AsyncIterato
         while True:
             client = aiomqtt.Client(endpoint.host, endpoint.port,
                                     username=endpoint.username, password=endpoint.password,
-                                    identifier=plant.ops_client_id("watch"))
+                                    identifier=plant.ops_client_id("watch"),
+                                    tls_context=tls_context(endpoint))
             try:
                 await client.__aenter__()
                 break
@@ -380,7 +382,8 @@ class Gateway:
         endpoint = plant.endpoint_for(client_id)
         self.client = aiomqtt.Client(endpoint.host, endpoint.port, username=endpoint.username,
                                      password=endpoint.password,
-                                     identifier=f"{plant.plant_id}.{client_id}")
+                                     identifier=f"{plant.plant_id}.{client_id}",
+                                     tls_context=tls_context(endpoint))
         self._collector: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Gateway:

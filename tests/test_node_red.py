@@ -28,6 +28,7 @@ import aiomqtt
 import optional
 import pytest
 from brokers import BrokerHandle, MosquittoBroker
+from certs import plant_tls, tls_context
 from pipeline import reference_tokens, running
 
 from broker.mosquitto_config import write_mosquitto_config
@@ -58,12 +59,16 @@ ANSWER_S = 60.0
 
 
 def with_node_red(plant_dir: Path, tiny_llama: Path) -> Plant:
-    """A one-stage plant that serves the alarm task, secured, with the flow's gateway."""
+    """A one-stage plant that serves the alarm task, secured and over TLS as `init` makes a
+    plant, with the flow's gateway."""
+    credentials = plant_dir / "credentials"
+    tls = plant_tls(credentials)
     return Plant(
         plant_id="nr", topic_root=f"edgebus-test/{secrets.token_hex(4)}",
-        broker=BrokerSettings(url=f"mqtt://{LOOPBACK}:{free_port(LOOPBACK)}", protocol="5"),
+        broker=BrokerSettings(url=f"mqtts://{LOOPBACK}:{free_port(LOOPBACK)}", protocol="5",
+                              ca_file=tls.cafile),
         model=tiny_llama, stages=[StageSpec(node="stage-0", layers=(0, 6))],
-        security=Security(credentials=plant_dir / "credentials", gateways=[GATEWAY]),
+        security=Security(credentials=credentials, gateways=[GATEWAY], tls=tls),
         tasks={"alarm_summary": ALARM})
 
 
@@ -130,6 +135,7 @@ async def test_a_plc_alarm_tag_gets_the_plants_answer_through_node_red(
            "EDGEBUS_TOPIC_ROOT": plant.topic_root, "EDGEBUS_GATEWAY": GATEWAY,
            "EDGEBUS_CLIENT_ID": f"{plant.plant_id}.{GATEWAY}",
            "EDGEBUS_GATEWAY_PASSWORD": plant_endpoint.password or "",
+           "EDGEBUS_CA_FILE": str(plant_endpoint.ca_file),
            "PLC_BROKER_HOST": mosquitto_broker.host,
            "PLC_BROKER_PORT": str(mosquitto_broker.port), "PLC_TAG_ROOT": tags}
     received: dict[str, str] = {}  # non-empty tag values by topic
@@ -145,7 +151,8 @@ async def test_a_plc_alarm_tag_gets_the_plants_answer_through_node_red(
             # Seeing what Node-RED is sent needs its own login: the broker lets nobody else read it.
             observer = await stack.enter_async_context(aiomqtt.Client(
                 LOOPBACK, plant_endpoint.port, username=GATEWAY,
-                password=plant_endpoint.password, identifier=f"observer-{tags[-8:]}"))
+                password=plant_endpoint.password, identifier=f"observer-{tags[-8:]}",
+                tls_context=tls_context(plant_endpoint)))
             await plc.subscribe(f"{tags}/+/+", qos=1)
             await observer.subscribe(f"{plant.topic_root}/llm/response/{GATEWAY}/+", qos=1)
             # Retained, as a PLC connector's tags often are: the flow reads alarms only

@@ -242,7 +242,7 @@ def smollm2_costs(smollm2_profiled: Path) -> ModelCosts:
 
 def test_jetson_2pi_example_on_smollm2(smollm2_profiled: Path, smollm2_costs: ModelCosts) -> None:
     plant = example_plant("jetson-2pi", smollm2_profiled, smollm2_costs)
-    assert plant.broker.url == "mqtt://jetson:1883"
+    assert plant.broker.url == "mqtts://jetson:8883"  # TLS, Mosquitto on the Jetson
     assert {b.name: b.device for b in plant.boxes or []} == {
         "pi-1": "rpi5", "pi-2": "rpi5", "jetson": "jetson-orin-nano"}
     layers = {stage.node: stage.layers for stage in plant.stages}

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import optional
+from certs import plant_tls
 from gguf_models import PROCESS_KV_BUDGET_MB
 
 from edgebus.rehearse import leftovers, netns
@@ -67,17 +68,19 @@ def snapshot(run: str | None = None) -> dict[str, set[str]]:
 
 
 def plant_file(model: Path, workdir: Path) -> tuple[Path, Path]:
-    """A one-box plant with security on, its stage on llama.cpp (whose agent starts on its
-    box's core share without importing torch) with a small KV (gguf_models.with_kv_budget);
-    its path and its credentials directory."""
+    """A one-box plant with security and TLS on, as `init` makes it, its stage on llama.cpp
+    (whose agent starts on its box's core share without importing torch) with a small KV
+    (gguf_models.with_kv_budget); its path and its credentials directory."""
     credentials = workdir / "credentials"
     credentials.mkdir(mode=0o700)
+    tls = plant_tls(credentials, ("box-a",))
     plant = Plant(plant_id="cleanup", topic_root="edgebus-test/cleanup",
-                  broker=BrokerSettings(url="mqtt://box-a:1883"), model=model,
-                  boxes=[BoxSpec(name="box-a", memory_mb=2048, speed=1.0)],
+                  broker=BrokerSettings(url="mqtts://box-a:8883", ca_file=tls.cafile),
+                  model=model, boxes=[BoxSpec(name="box-a", memory_mb=2048, speed=1.0)],
                   stages=[StageSpec(node="box-a", layers=(0, 6), weights="gguf",
                                     kv_budget_mb=PROCESS_KV_BUDGET_MB)],
-                  security=Security(credentials=credentials, gateways=["plc-1"], ops=["ops"]),
+                  security=Security(credentials=credentials, gateways=["plc-1"], ops=["ops"],
+                                    tls=tls),
                   liveness=LIVENESS)
     path = workdir / "plant.yaml"
     write_plant(plant, path)
@@ -112,7 +115,7 @@ def run_of(out: str) -> str:
 def test_a_normal_end_leaves_the_host_as_it_was_and_the_credentials_untouched(
         tiny_llama_gguf: Path, tmp_path: Path) -> None:
     path, credentials = plant_file(tiny_llama_gguf, tmp_path)
-    before_files = sorted(credentials.iterdir())
+    before_files = files_in(credentials)
     before = snapshot()
     proc = rehearse(str(path), "--requests", "1", "--tokens", "2", "--cpus", "1")
     try:
@@ -126,8 +129,17 @@ def test_a_normal_end_leaves_the_host_as_it_was_and_the_credentials_untouched(
             proc.kill()
             proc.wait()
     assert snapshot(run) == before, out
-    # The broker's passwords were made in a copy, not in the plant's own directory.
-    assert sorted(credentials.iterdir()) == before_files == []
+    # The broker's passwords, and its certificate for its address on the rehearsal's bridge,
+    # were made in a copy, not in the plant's own directory.
+    assert files_in(credentials) == before_files
+    assert not any(name.endswith(".password") for name in before_files)
+    # The rehearsal's broker spoke TLS, with a certificate for its address on the bridge.
+    assert ":8883, TLS)" in out, out
+
+
+def files_in(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
 
 
 def test_kill_9_then_clean_leaves_the_host_as_it_was(tiny_llama_gguf: Path, tmp_path: Path) -> None:

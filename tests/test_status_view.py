@@ -309,7 +309,9 @@ async def test_edgebus_status_shows_the_live_plant(tiny_llama: Path, amqtt_broke
         lines = text.splitlines()
         assert lines[0] == f"plant 'test', topic root {plant.topic_root}"
         assert lines[1] == "plan: 0: [0, 3) stage-0  1: [3, 6) stage-1"
-        table = [re.split(r"\s{2,}", line) for line in lines[2:]]
+        # Last, what the link speaks: this plant, made here without TLS, in clear.
+        assert lines[-1].startswith("TLS: off: the plant's broker speaks plain MQTT")
+        table = [re.split(r"\s{2,}", line) for line in lines[2:-1]]
         header = table[0]
         rows = {row[0]: dict(zip(header, row, strict=True)) for row in table[1:]}
         assert header[:7] == ["AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "STATE", "AGE"]

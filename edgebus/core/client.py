@@ -32,7 +32,6 @@ import functools
 import logging
 import random
 import socket
-import ssl
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
+from edgebus.core import tls
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.errors import BusError
 
@@ -91,6 +91,9 @@ INFLIGHT_WINDOW = 20
 UNACKED_WARN_AT = INFLIGHT_WINDOW * 3 // 4
 # The warning again at most this often while the count stays high.
 UNACKED_WARN_EVERY_S = 10.0
+# TLS connections in a row that the broker closes at or right after the handshake, before
+# its CONNACK, until a client stops retrying and says why (a refused client certificate).
+TLS_CLOSES_FATAL = 3
 # CONNACK codes that no amount of retrying fixes (MQTT 3.1.1 and 5).
 _FATAL_CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
                   4: "bad user name or password", 5: "not authorised",
@@ -191,12 +194,7 @@ class BusClient:
         if self.presence is not None:
             self.presence.next_session()
             will = aiomqtt.Will(self.presence.topic, self.presence.offline(), qos=1, retain=True)
-        tls_context = None
-        if ep.tls:
-            tls_context = ssl.create_default_context(
-                cafile=str(ep.ca_file) if ep.ca_file else None)
-            if ep.cert_file is not None:  # mutual TLS
-                tls_context.load_cert_chain(ep.cert_file, ep.key_file)
+        tls_context = tls.client_context(ep) if ep.tls else None
         session: dict[str, object] = {}
         if self.persistent and self.mqtt5:
             props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
@@ -235,6 +233,10 @@ class BusClient:
                 register_write(paho_client, userdata, sock)
 
         client._client.on_socket_register_write = on_register_write
+        on_disconnect = client._client.on_disconnect  # aiomqtt's own
+        if tls_context is not None and on_disconnect is not None:
+            client._client.on_disconnect = functools.partial(
+                _closed_before_connack, client, on_disconnect)
         return client
 
     async def run(self, handler: MessageHandler) -> None:
@@ -246,9 +248,11 @@ class BusClient:
         (or raises), unless it `take`s it.
         """
         delay = RECONNECT_INITIAL_S
+        closes = 0  # TLS connections in a row the broker closed before its CONNACK
         while True:
             try:
                 async with self._make_client() as client:
+                    closes = 0
                     await self._on_connect(client)
                     delay = RECONNECT_INITIAL_S
                     try:
@@ -271,6 +275,14 @@ class BusClient:
                                    "credentials and the broker's ACL.") from None
                 log.warning("MQTT connection lost (%s); reconnecting in %.1f s", exc, delay)
             except aiomqtt.MqttError as exc:
+                refused = _tls_refusal(exc, self.endpoint)
+                if refused is not None:  # a certificate: retrying would not fix it
+                    raise BusError(refused) from None
+                if self.endpoint.tls and tls.closed_at_handshake(exc):
+                    # Once may be a broker going down; again and again is a refusal.
+                    closes += 1
+                    if closes >= TLS_CLOSES_FATAL:
+                        raise BusError(tls.closed_silently(self.endpoint)) from None
                 log.warning("MQTT broker %s:%d unreachable (%s); retrying in %.1f s",
                             self.endpoint.host, self.endpoint.port, exc, delay)
             if not self.reconnect:
@@ -504,6 +516,33 @@ class BusClient:
                                  retain=True, timeout=CLOSE_TIMEOUT_S)
         except aiomqtt.MqttError as exc:
             log.warning("could not publish offline status (%s); the Will covers it", exc)
+
+
+def _closed_before_connack(client: aiomqtt.Client, on_disconnect: Callable[..., None],
+                           *args: Any) -> None:
+    """A TLS connection the broker closes before its CONNACK ends the wait for the CONNACK.
+
+    A broker that refuses a client's certificate under TLS 1.3 does so after the handshake;
+    the embedded broker (asyncio's TLS) then closes the connection without an alert, and
+    aiomqtt, ignoring a disconnect before the CONNACK, would wait out its whole timeout and
+    say only that it timed out. `BusClient.run` counts such closes (TLS_CLOSES_FATAL)."""
+    if not client._connected.done():
+        client._connected.set_exception(aiomqtt.MqttError(tls.CLOSED_BEFORE_CONNACK))
+    on_disconnect(*args)
+
+
+def _tls_refusal(exc: BaseException, endpoint: BrokerEndpoint) -> str | None:
+    """A TLS failure somewhere in `exc`'s chain (aiomqtt keeps only its text at connect, the
+    exception itself when the broker's alert comes after the handshake), said in one line."""
+    if not endpoint.tls:
+        return None
+    seen: BaseException | None = exc
+    while seen is not None:
+        said = tls.explain(seen, endpoint)
+        if said is not None:
+            return said
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _on_loop(client: aiomqtt.Client) -> bool:

@@ -36,6 +36,8 @@ from edgebus.core.processes import child_setup
 from edgebus.rehearse import cgroups, leftovers, netns
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from plant_config import Plant, write_plant
+from plant_config.broker_section import BrokerTls
+from plant_config.certificates import ca_key_path, default_files, issue
 
 MOSQUITTO = "/usr/sbin/mosquitto"
 # Where `ip netns add` keeps a namespace's handle, which nsenter enters.
@@ -169,8 +171,9 @@ class Rehearsal:
         return self.network.links[box].address
 
     def _rewritten(self) -> Plant:
-        """The plant with its broker at the broker box's address, over plain MQTT."""
-        endpoint = self.source.broker.endpoint()
+        """The plant with its broker at the broker box's address: over TLS where the plant
+        speaks it and its CA's key is at hand, else over plain MQTT."""
+        endpoint = self.source.broker_endpoint()
         address = self.network.links[self.broker_box].address
         broker = self.source.broker.model_copy(update={
             # The embedded broker speaks 3.1.1; Mosquitto, which stands in for it, speaks 5 too.
@@ -178,16 +181,38 @@ class Rehearsal:
             "protocol": self.source.broker.protocol or "5", "ca_file": None})
         update: dict[str, object] = {"broker": broker}
         if self.source.security is not None:
-            # Certificates name the real hosts, not the rehearsal's addresses; passwords and
-            # ACLs stay. The broker's configuration makes the passwords that are missing:
-            # into a copy, never into the plant's own credentials directory.
+            # Passwords and ACLs stay. The broker's configuration makes the passwords that are
+            # missing: into a copy, never into the plant's own credentials directory.
             credentials = self.workdir / "credentials"
             if self.source.security.credentials.is_dir():
                 shutil.copytree(self.source.security.credentials, credentials)
             credentials.mkdir(mode=0o700, exist_ok=True)
+            tls = self._tls(credentials, address)
+            if tls is not None:
+                update["broker"] = broker.model_copy(update={
+                    "url": f"mqtts://{address}:{endpoint.port}", "ca_file": tls.cafile})
             update["security"] = self.source.security.model_copy(
-                update={"tls": None, "credentials": credentials})
+                update={"tls": tls, "credentials": credentials})
         return self.source.model_copy(update=update)
+
+    def _tls(self, credentials: Path, address: str) -> BrokerTls | None:
+        """The rehearsal broker's TLS: a certificate for its address on the bridge (the
+        plant's own name the real hosts), issued in the copy of the credentials from the
+        plant's CA, whose clients' certificates then hold too. None (plain MQTT, as every
+        agent then warns) where the plant speaks plain or this box lacks the CA's key."""
+        assert self.source.security is not None
+        own = self.source.security.listener_tls
+        if own is None or not ca_key_path(own.cafile).is_file():
+            return None
+        files = default_files(credentials)
+        files["cafile"].parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for source, target in ((own.cafile, files["cafile"]),
+                               (ca_key_path(own.cafile), ca_key_path(files["cafile"]))):
+            if source.resolve() != target.resolve():
+                shutil.copy2(source, target)
+        issue(files["cafile"], files["certfile"], files["keyfile"], common_name=address,
+              hosts=[address])
+        return BrokerTls(**files, require_certificate=own.require_certificate)
 
     def _start_broker(self) -> None:
         link = self.network.links[self.broker_box]
@@ -211,7 +236,8 @@ class Rehearsal:
             lines.append(f"include_dir {included}")
         conf = broker_dir / "mosquitto.conf"
         conf.write_text("\n".join(lines) + "\n")
-        self.progress(f"starting Mosquitto on {self.broker_box} ({link.address}:{port})")
+        over = "plain MQTT" if self.plant.speaks_plain() else "TLS"
+        self.progress(f"starting Mosquitto on {self.broker_box} ({link.address}:{port}, {over})")
         self.spawn("broker", self.broker_box, [MOSQUITTO, "-c", str(conf)])
         deadline = time.monotonic() + BROKER_START_S
         while not self._accepts(link.address, port):
