@@ -38,7 +38,9 @@ from plant_config import Plant, load_plant
 PROMPTS = Path(__file__).parent / "prompts"
 # The seed's plant, and the box it is measured against.
 EXAMPLE, ALONE = "jetson-2pi", "jetson"
-VARIANTS = ("alone", "drafts off", "drafts on")
+# "drafts off, TLS": the plant as init makes it by default (TLS, passwords, ACLs), against
+# the same plant in plain MQTT ("drafts off"): what TLS costs a token.
+VARIANTS = ("alone", "drafts off", "drafts on", "drafts off, TLS")
 # Cores of this machine the three boxes share (the rehearsal splits them by speed): with
 # 0.6, the Jetson gets 0.36 of a core, at which SmolLM2 takes about the seed's 31 ms a token
 # on the 2-core development machines (8 s for 256 tokens).
@@ -52,11 +54,14 @@ class Run:
     measured: Measurement
 
 
-def seed_plant(model: Path, drafts: int, folder: Path) -> Plant:
-    """The plant `edgebus init --example jetson-2pi` writes, as a user makes it."""
+def seed_plant(model: Path, drafts: int, folder: Path, *, secured: bool = False) -> Plant:
+    """The plant `edgebus init --example jetson-2pi` writes, as a user makes it: plain MQTT
+    (`--insecure`), or `secured` as init's default is (TLS, passwords, ACLs)."""
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "plant.yaml"
     subprocess.run([sys.executable, "-m", "edgebus", "init", str(path), "--model", str(model),
-                    "--example", EXAMPLE, "--insecure", "--drafts", str(drafts)],
+                    "--example", EXAMPLE, "--drafts", str(drafts),
+                    *([] if secured else ["--insecure"])],
                    check=True, stdout=subprocess.DEVNULL)
     return load_plant(path)
 
@@ -108,9 +113,12 @@ async def main(args: argparse.Namespace) -> None:
     options = Options(cpu_total=args.cpus)
     alone, alone_options = one_box_variant(drafting, ALONE, options)
     # The Jetson alone decodes plainly, as the seed's 8 s were measured.
+    secured = with_chunk(seed_plant(args.model, args.drafts, folder / "secured", secured=True),
+                         args.prefill_chunk)
     variants = [("alone", without_drafts(alone), alone_options),
                 ("drafts off", without_drafts(drafting), options),
-                ("drafts on", drafting, options)]
+                ("drafts on", drafting, options),
+                ("drafts off, TLS", without_drafts(secured), options)]
     runs: list[Run] = []
     for round_ in range(args.rounds):
         for workload in args.workloads:
@@ -144,7 +152,7 @@ if __name__ == "__main__":
     parser.add_argument("--workloads", nargs="+", default=["code", "alarm", "free"],
                         help="prompt files of benchmarks/prompts/ (context-1000 and "
                         "context-3000: a long code context, one token: time to first token)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:3]),
                         help="the Jetson alone is always run: the ratios are against it")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="coordinator.prefill_chunk of every variant (default: init's)")
