@@ -42,8 +42,9 @@ EXAMPLE, ALONE = "jetson-2pi", "jetson"
 # the same plant in plain MQTT ("drafts off"): what TLS costs a token.
 VARIANTS = ("alone", "drafts off", "drafts on", "drafts off, TLS")
 # Cores of this machine the three boxes share (the rehearsal splits them by speed): with
-# 0.6, the Jetson gets 0.36 of a core, at which SmolLM2 takes about the seed's 31 ms a token
-# on the 2-core development machines (8 s for 256 tokens).
+# 0.6 the Jetson gets 0.36 of a core, at which SmolLM2 took about 80 ms a token on the Intel
+# Xeon VM, where the seed's Jetson took 31. The ratios are what the bench measures; by
+# proportion, --cpus 1.6 would give the seed's speed, and leaves the bench less room on 2.
 DEFAULT_CPUS = 0.6
 
 

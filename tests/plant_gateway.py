@@ -268,3 +268,22 @@ class AgentProcesses:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
+
+
+@asynccontextmanager
+async def edgebus_up(plant: Path, log: Path, timeout: float
+                     ) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """`edgebus up PLANT` as an operator starts it, its output in `log`, from the moment it
+    says the plant is up (it has seen every agent online) until SIGTERM at the end."""
+    with log.open("wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "edgebus", "up", str(plant)],
+                              stdout=out, stderr=subprocess.STDOUT)
+    try:
+        async with asyncio.timeout(timeout):
+            while "is up" not in log.read_text():
+                assert up.poll() is None, log.read_text()
+                await asyncio.sleep(0.1)
+        yield up
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout)

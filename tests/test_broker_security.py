@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import secrets
-import signal
 import socket
 import ssl
 import subprocess
@@ -36,6 +35,7 @@ from brokers import AmqttBroker, BrokerHandle, MosquittoBroker
 from certs import broker_tls
 from gguf_models import PROCESS_KV_BUDGET_MB
 from pipeline import plant_reference, reference_tokens, running
+from plant_gateway import edgebus_up
 
 from broker.acl import client_id_owner
 from broker.amqtt_security import plugins_for
@@ -641,16 +641,9 @@ async def test_a_fresh_init_and_up_admit_the_plants_identities_and_nobody_else(
     plant_path = init_plant(tmp_path, tiny_llama_gguf, "--weights", "gguf")
     plant = load_plant(plant_path)
     assert plant.security is not None and plant.security.gateways == ["plc-1", "http"]
-    with (tmp_path / "up.log").open("wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "edgebus", "up", str(plant_path)],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
-        # `up` says the plant is up once it has seen every agent online, which
-        # it watches as the ops identity.
-        async with asyncio.timeout(UP_S):
-            while "is up" not in (tmp_path / "up.log").read_text():
-                assert up.poll() is None, (tmp_path / "up.log").read_text()
-                await asyncio.sleep(0.1)
+    # `up` says the plant is up once it has seen every agent online, which it watches as the
+    # ops identity.
+    async with edgebus_up(plant_path, tmp_path / "up.log", UP_S):
         # Anonymous, or a gateway with another's password: refused in the CONNACK.
         for identity, password in [(None, None), ("plc-1", plant.endpoint_for("ops").password)]:
             with pytest.raises(aiomqtt.MqttCodeError):
@@ -680,9 +673,6 @@ async def test_a_fresh_init_and_up_admit_the_plants_identities_and_nobody_else(
         status_done = await asyncio.to_thread(edgebus, "status", str(plant_path))
         assert status_done.returncode == 0, status_done.stdout + status_done.stderr
         assert "missing" not in status_done.stdout and "stage-1" in status_done.stdout
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(UP_S)
     response = GenerateResponse.model_validate_json(out)
     assert response.tokens == plant_reference(
         plant, GenerateRequest(id="x", prompt="Alarm 4711 means", max_tokens=5))

@@ -32,6 +32,7 @@ import yaml
 from brokers import AmqttBroker, BrokerHandle, MosquittoBroker, mosquitto_binary
 from cryptography import x509
 from gguf_models import PROCESS_KV_BUDGET_MB
+from plant_gateway import edgebus_up
 
 import broker.embedded
 from broker.amqtt_security import plugins_for
@@ -455,33 +456,23 @@ async def test_a_default_plant_answers_with_no_password_and_no_prompt_on_the_wir
     marker_port = free_port(LOOPBACK)
     marker = b"edgebus-capture-marker-" + prompt.encode()
     pcap = tmp_path / "plant.pcap"
-    async with capture(pcap, [plant.broker.port, marker_port]):
-        with (tmp_path / "up.log").open("wb") as log:
-            up = subprocess.Popen([sys.executable, "-m", "edgebus", "up", str(path)],
-                                  stdout=log, stderr=subprocess.STDOUT)
-        try:
-            async with asyncio.timeout(UP_S):
-                while "is up" not in (tmp_path / "up.log").read_text():
-                    assert up.poll() is None, (tmp_path / "up.log").read_text()
-                    await asyncio.sleep(0.1)
-            asked = await asyncio.to_thread(edgebus, "ask", str(path), prompt, "--raw",
-                                            "--max-tokens", "8")
-            assert asked.returncode == 0, asked.stderr
-            status = await asyncio.to_thread(edgebus, "status", str(path))
-            assert status.returncode == 0, status.stdout + status.stderr
-            assert "TLS: on" in status.stdout and "days left" in status.stdout
-            await asyncio.to_thread(ask_over_http, path, tmp_path, prompt)
-            with socket.socket() as server:
-                server.bind((LOOPBACK, marker_port))
-                server.listen()
-                with socket.create_connection((LOOPBACK, marker_port)) as client:
-                    client.sendall(marker)
-                    accepted, _ = server.accept()
-                    accepted.recv(len(marker))
-                    accepted.close()
-        finally:
-            up.send_signal(signal.SIGTERM)
-            up.wait(UP_S)
+    async with (capture(pcap, [plant.broker.port, marker_port]),
+                edgebus_up(path, tmp_path / "up.log", UP_S)):
+        asked = await asyncio.to_thread(edgebus, "ask", str(path), prompt, "--raw",
+                                        "--max-tokens", "8")
+        assert asked.returncode == 0, asked.stderr
+        status = await asyncio.to_thread(edgebus, "status", str(path))
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "TLS: on" in status.stdout and "days left" in status.stdout
+        await asyncio.to_thread(ask_over_http, path, tmp_path, prompt)
+        with socket.socket() as server:
+            server.bind((LOOPBACK, marker_port))
+            server.listen()
+            with socket.create_connection((LOOPBACK, marker_port)) as client:
+                client.sendall(marker)
+                accepted, _ = server.accept()
+                accepted.recv(len(marker))
+                accepted.close()
     wire = pcap.read_bytes()
     assert marker in wire  # the capture holds payloads: it would have shown the rest
     assert len(wire) > 20_000, len(wire)  # the plant's whole conversation, encrypted
