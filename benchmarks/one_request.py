@@ -1,7 +1,7 @@
 """One request on the seed's plant, rehearsed: the Jetson alone, the plant with drafts off
 and with drafts on (docs/benchmarks.md, "One request: the seed's headline").
 
-    sudo PYTHONPATH=. python benchmarks/one_request.py [--cpus 0.6] [--drafts 8] [--rounds 2]
+    python benchmarks/one_request.py [--cpus 0.6] [--drafts 8] [--rounds 2]
         [--model GGUF] [--workloads code alarm free] [--prefill-chunk N]
 
 The plant is what `edgebus init --example jetson-2pi --insecure` writes for the model (the
