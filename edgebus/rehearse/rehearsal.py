@@ -33,7 +33,7 @@ from types import FrameType, TracebackType
 from edgebus.core.errors import EdgebusError
 from edgebus.core.memory_limits import describe_kill, rss_bytes
 from edgebus.core.processes import child_setup
-from edgebus.rehearse import cgroups, leftovers, netns
+from edgebus.rehearse import cgroups, disk, leftovers, netns
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from plant_config import Plant, write_plant
 from plant_config.broker_section import BrokerTls
@@ -110,6 +110,10 @@ class Rehearsal:
         self._saved_handlers: dict[int, object] = {}
         self.last_rss: dict[str, int] = {}  # agent -> its RSS when last seen (watch_memory)
         self.started_at: dict[str, float] = {}  # agent -> time.monotonic() of its start
+        # agent -> time.monotonic() when it was first seen online, and its box's disk bytes
+        # then (None: no io controller): its first start (came_online)
+        self.online_at: dict[str, float] = {}
+        self.disk_at_online: dict[str, cgroups.DiskBytes | None] = {}
         # agent -> what the plan counted for it, in words (run_rehearse's fit check)
         self.planned: dict[str, str] = {}
 
@@ -156,13 +160,25 @@ class Rehearsal:
         leftovers.record(self.run_id)  # before anything is built: --clean finds it all
         self.network.create()
         self.tree = cgroups.open_tree(self.run_id)
+        # What a box reads and writes at first start: the model, and its stage files in the
+        # agents' $EDGEBUS_HOME here.
+        stored = [self.source.model, self.workdir]
+        limited = disk.devices(stored) if any(s.disk for s in self.shares) else []
         for share in self.shares:
             link = self.network.add_box(share.box, share.link_mbit)
-            self.groups[share.box] = self.tree.create(share.box, share.cpu_cores,
-                                                      share.memory_bytes)
+            group = self.groups[share.box] = self.tree.create(share.box, share.cpu_cores,
+                                                              share.memory_bytes)
+            if share.disk is not None:
+                group.set_disk(limited, round(share.disk.read_mb_s * 1e6),
+                               round(share.disk.write_mb_s * 1e6))
             self.progress(f"  {share.box}: {link.address}, {share.cpu_cores:.2f} cores, "
                           f"{share.memory_bytes >> 20} MiB, link "
-                          + (f"{share.link_mbit:g} Mbit/s" if share.link_mbit else "unlimited"))
+                          + (f"{share.link_mbit:g} Mbit/s" if share.link_mbit else "unlimited")
+                          + ", disk " + (f"{share.disk.read_mb_s:g} / {share.disk.write_mb_s:g} "
+                                         f"MB/s read / write on {', '.join(limited)}"
+                                         if share.disk else "unlimited"))
+        # Every box reads the model from disk, at its own rate where it has one.
+        disk.drop_from_cache([self.source.model])
         self.plant = self._rewritten()
         write_plant(self.plant, self.plant_path)
 
@@ -310,6 +326,19 @@ class Rehearsal:
     def stop_agent(self, agent: str) -> None:
         """Stop `agent` as systemd would (SIGTERM, then SIGKILL), if it runs."""
         self._terminate([agent])
+
+    def came_online(self, agent: str) -> None:
+        """Note `agent`'s first start as it ends: the time, and what its box has read and
+        written on its disk (the cut and the load)."""
+        if agent not in self.online_at:
+            self.online_at[agent] = time.monotonic()
+            self.disk_at_online[agent] = self.groups[self.box_of[agent]].disk_bytes()
+
+    def first_start_s(self, agent: str) -> float | None:
+        """Seconds from `agent`'s start to its first "online" (None: not seen online)."""
+        if agent not in self.online_at:
+            return None
+        return self.online_at[agent] - self.started_at[agent]
 
     def pid(self, agent: str) -> int:
         return self.procs[agent].pid

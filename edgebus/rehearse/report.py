@@ -29,11 +29,14 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from edgebus.rehearse.cgroups import DiskBytes
 from edgebus.rehearse.sizing import BoxShare
 from edgebus.rehearse.workload import ROWS_PER_GROUP, Measurement, decode_step_ms
+from plant_config.first_start import first_start, seconds
 from plant_config.layout import show
-from plant_config.planner import MessageCost, ModelCosts
+from plant_config.planner import MessageCost, ModelCosts, plant_boxes
 from plant_config.schema import Plant
+from plant_config.stage_memory import MIB
 
 # Major faults a box may take in a workload without paging its weights: a library or
 # two mapped late, never a pass's worth of weight pages (thousands).
@@ -147,6 +150,33 @@ def box_table(plant: Plant, measured: Measurement, prediction: Prediction) -> st
             _kib_per(after.bytes_in - before.bytes_in, steps),
             _kib_per(after.bytes_out - before.bytes_out, steps),
             str(after.major_faults - before.major_faults)))
+    return _columns(rows)
+
+
+def first_start_table(plant: Plant, costs: ModelCosts, first_start_s: dict[str, float | None],
+                      disk_bytes: dict[str, DiskBytes | None]) -> str:
+    """Per stage node: its first start (its process started to "online": the cut and the
+    load), beside the time its box's disk takes to read its share (the stage file) and the
+    planner's estimate (the cut's read and write, plant_config/first_start.py), and what its
+    box's io controller counted."""
+    header = ("box", "disk MB/s r/w", "first start", "share at read rate", "x share",
+              "estimate (read + write)", "read MiB", "written MiB")
+    rows: list[tuple[str, ...]] = [header]
+    boxes = {box.node: box for stage in plant_boxes(plant) for box in stage}
+    for spec in plant.stages:
+        measured = first_start_s.get(spec.node)
+        estimate = first_start(costs, boxes[spec.node], spec.layers)
+        counted = disk_bytes.get(spec.node)
+        rows.append((
+            spec.node,
+            f"{estimate.disk.read_mb_s:g} / {estimate.disk.write_mb_s:g}" if estimate else "-",
+            f"{seconds(measured)} s" if measured is not None else "-",
+            f"{seconds(estimate.later_s)} s" if estimate else "-",
+            f"{measured / estimate.later_s:.2f}x" if estimate and measured is not None
+            and estimate.later_s else "-",
+            f"{seconds(estimate.total_s)} s" if estimate else "-",
+            f"{counted.read / MIB:.0f}" if counted else "-",
+            f"{counted.written / MIB:.0f}" if counted else "-"))
     return _columns(rows)
 
 

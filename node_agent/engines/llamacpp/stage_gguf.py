@@ -32,8 +32,9 @@ spread over it), the range, the role and llama-cpp-python's
 version (whose llama.cpp reads them). Not beside the source: a plant may name
 a GGUF in a directory the agents cannot write (a package's, or one the
 systemd units keep read-only), and the fingerprint in the name keeps the files of
-different models apart. A file is written under a temporary name and renamed
-into place, so a crash never leaves a half-cut file that looks usable.
+different models apart. A file is written under a temporary name, synced to
+the disk and renamed into place, so neither a crash nor a power cut leaves a
+half-cut file that looks usable.
 
 A cut streams: the header is walked without decoding the vocabulary
 (gguf_model.layout), keys the stage does not change are copied as bytes, and
@@ -252,6 +253,12 @@ def _cut(source: Path, dest: Path, first: int, end: int, role: str, *,
             else:
                 copy.range(start, size, progress)
         copy.padding(src.alignment)
+        # On the disk before the rename makes it the stage file: renamed with its blocks
+        # still in the page cache, a box's power cut could leave a file of the right name
+        # and the wrong bytes. Written back here, by this process, a rehearsed box's io
+        # limit also meters the write (cgroup v1 charges the kernel's own later writeback
+        # to no box).
+        os.fsync(out.fileno())
     progress.done()
 
 
