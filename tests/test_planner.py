@@ -27,6 +27,7 @@ from node_agent.gguf_memory import llamacpp_shape
 from node_agent.measured import Measured, write_cache
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
+from plant_config.first_start import first_start, first_start_table
 from plant_config.layout import LayerRange, fit_problems, layout_problems
 from plant_config.planner import (
     MIB,
@@ -40,7 +41,6 @@ from plant_config.planner import (
     plan,
     plant_boxes,
 )
-from plant_config.first_start import first_start, first_start_table
 from plant_config.schema import DiskSpec, WeightMode
 from plant_config.stage_memory import (
     COORDINATOR_BYTES,

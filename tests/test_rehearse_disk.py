@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import shutil
 from pathlib import Path
 
 import optional
@@ -26,8 +27,10 @@ from edgebus.rehearse.workload import Client, wait_online
 from plant_config import make_plant
 from plant_config.schema import BoxSpec, DiskSpec
 
-# An SD card slower than any a Pi ships with: 20 MB/s, a box's share of SmolLM2 in seconds.
-CARD = DiskSpec(read_mb_s=20, write_mb_s=20)
+# A card slower than any a Pi ships with, so that reading dominates a box's first start here:
+# 5 MB/s reads a box's ~30 MB of SmolLM2 in ~6 s, where this machine's disk takes a fraction
+# of a second and the agent's own start ~2 s.
+CARD = DiskSpec(read_mb_s=5, write_mb_s=20)
 ROOMY_MB = 1024
 
 
@@ -42,15 +45,19 @@ def limits(group: cgroups.BoxGroup) -> str:
 
 @optional.needs(missing(), "a rehearsal")
 @optional.HOST_NETWORK
-def test_a_box_with_a_slow_card_reads_its_share_cold_at_its_rate(tmp_path: Path) -> None:
-    model = bundled_gguf()
-    plant = make_plant(model, stages=2, weights="gguf").model_copy(update={
+def test_boxes_with_a_slow_card_read_the_model_cold_at_their_rate(tmp_path: Path) -> None:
+    # A copy of its own: other processes on this machine (another test's agents) read the
+    # bundled file and keep its pages in the page cache, which no box then reads from disk.
+    model = tmp_path / "model.gguf"
+    shutil.copyfile(bundled_gguf(), model)
+    plant = make_plant(model, stages=2, weights="gguf")
+    plant = plant.model_copy(update={
         "topic_root": f"edgebus-test/{secrets.token_hex(4)}",
-        "boxes": [BoxSpec(name="stage-0", memory_mb=ROOMY_MB, disk=CARD),
-                  BoxSpec(name="stage-1", memory_mb=ROOMY_MB)]})
-    plant = plant.model_copy(update={"stages": [
-        spec.model_copy(update={"kv_budget_mb": 64}) for spec in plant.stages]})
+        "boxes": [BoxSpec(name=spec.node, memory_mb=ROOMY_MB, disk=CARD)
+                  for spec in plant.stages],
+        "stages": [spec.model_copy(update={"kv_budget_mb": 64}) for spec in plant.stages]})
     workdir = tmp_path / "rehearse"
+    nodes = [spec.node for spec in plant.stages]
 
     with Rehearsal(plant, workdir, Options(cpu_total=float(cores())),
                    progress=print) as running:
@@ -61,22 +68,28 @@ def test_a_box_with_a_slow_card_reads_its_share_cold_at_its_rate(tmp_path: Path)
                 await wait_online(running, client, timeout=300)
 
         asyncio.run(online())
-        slow, unlimited = running.groups["stage-0"], running.groups["stage-1"]
-        shown = limits(slow)
-        counted = running.disk_at_online["stage-0"]
-        first_start_s = running.first_start_s("stage-0")
-        assert "20000000" not in limits(unlimited)
+        shown = {node: limits(running.groups[node]) for node in nodes}
+        counted = {node: running.disk_at_online[node] for node in nodes}
+        first_start_s = {node: running.first_start_s(node) for node in nodes}
 
     [device] = disk.devices([model, workdir])
-    assert f"{device} 20000000" in shown or f"{device} rbps=20000000 wbps=20000000" in shown, \
-        shown
-    [stage_file] = (workdir / "home" / "stages").glob("*.0-15.first.*.gguf")
-    assert counted is not None and first_start_s is not None
-    # Cold: the cut read its layers and the embedding from the disk, through the box's limit
-    # (the stand-in LM head it writes is never read, so a part of the file's size).
-    assert counted.read >= stage_file.stat().st_size // 2, counted
-    # The stage file went to the disk from the box (synced by the cut), its write metered too.
-    assert counted.written >= stage_file.stat().st_size, counted
-    # Reading what it read takes the box at least this long at 20 MB/s; unlimited, this
-    # machine's disk reads it in a fraction of that.
-    assert first_start_s >= CARD.read_s(counted.read), (first_start_s, counted)
+    stage_files = {node: next((workdir / "home" / "stages").glob(
+        f"*.{spec.layers[0]}-{spec.layers[1]}.*.gguf")) for node, spec in zip(
+            nodes, plant.stages, strict=True)}
+    for node in nodes:
+        lines = shown[node].splitlines()
+        assert {f"{device} 5000000", f"{device} 20000000"} <= set(lines) or any(
+            line.startswith(f"{device} rbps=5000000 wbps=20000000 ") for line in lines), shown
+        read = counted[node]
+        assert read is not None, counted
+        # Each stage file went to the disk from its box (written back by the cut as it
+        # went), its write metered by the box's limit.
+        assert read.written >= stage_files[node].stat().st_size, (node, read)
+        # Reading what it read takes the box at least this long at 5 MB/s; at this
+        # machine's disk, a fraction of a second.
+        start = first_start_s[node]
+        assert start is not None and start >= CARD.read_s(read.read), (node, start, read)
+    # Cold: every byte of the model was read from the disk by one box or the other (the
+    # boxes share this machine's page cache, so a page one box read the other may find
+    # there: the embedding both cut, the fingerprint's pieces), through their limits.
+    assert sum(c.read for c in counted.values() if c) >= model.stat().st_size * 0.95, counted
