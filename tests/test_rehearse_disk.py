@@ -18,10 +18,12 @@ import shutil
 from pathlib import Path
 
 import optional
+import pytest
 
 from edgebus.core.processes import cores
 from edgebus.model_import import bundled_gguf
 from edgebus.rehearse import Options, Rehearsal, cgroups, disk
+from edgebus.rehearse.cgroups import CgroupError
 from edgebus.rehearse.rehearsal import missing
 from edgebus.rehearse.workload import Client, wait_online
 from plant_config import make_plant
@@ -93,3 +95,11 @@ def test_boxes_with_a_slow_card_read_the_model_cold_at_their_rate(tmp_path: Path
     # boxes share this machine's page cache, so a page one box read the other may find
     # there: the embedding both cut, the fingerprint's pieces), through their limits.
     assert sum(c.read for c in counted.values() if c) >= model.stat().st_size * 0.95, counted
+
+
+def test_a_file_on_no_block_device_cannot_be_held_to_a_rate() -> None:
+    # /dev/shm is a tmpfs: its files' device numbers name no block device.
+    with pytest.raises(CgroupError, match=r"/dev/shm is on no block device \(device 0:\d+: a "
+                       r"tmpfs, an overlay or a btrfs subvolume\?\), so the io controller "
+                       r"cannot hold a box's disk: to its rates"):
+        disk.block_device(Path("/dev/shm"))
