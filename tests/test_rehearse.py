@@ -250,3 +250,8 @@ def test_the_first_start_table_sets_each_box_beside_its_share_at_its_rate(
     assert cells[0][:3] == ["box", "disk MB/s r/w", "first start"]
     assert cells[1] == ["pi-1", "100 / 100", "30 s", "20 s", "1.50x", "40 s", "2000", "2001"]
     assert cells[2] == ["pi-2", "-", "-", "-", "-", "-", "-", "-"]
+    # A box that read its share from the page cache did not start at its disk's rate.
+    cached = first_start_table(plant, costs, {"pi-1": 3.0}, {"pi-1": DiskBytes(0, 2001 << 20)})
+    assert cached.splitlines()[-1].startswith(
+        "warning: box pi-1 read 0 of the 1907 MiB its cut reads from its disk; the rest was "
+        "in the page cache"), cached

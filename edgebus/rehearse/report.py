@@ -41,6 +41,9 @@ from plant_config.stage_memory import MIB
 # Major faults a box may take in a workload without paging its weights: a library or
 # two mapped late, never a pass's worth of weight pages (thousands).
 PAGING_FAULTS = 100
+# Below this share of what its cut reads, a box's first start read from the page cache, not
+# its disk: a page of the model's another box has read, or another process maps.
+CACHED_READS = 0.9
 # A hop's CPU where the profile has none (no Mosquitto where it was measured):
 # the prediction then leaves hops out, and says so.
 _UNMEASURED = MessageCost(agent_ms=0.0, broker_ms=0.0)
@@ -162,11 +165,19 @@ def first_start_table(plant: Plant, costs: ModelCosts, first_start_s: dict[str, 
     header = ("box", "disk MB/s r/w", "first start", "share at read rate", "x share",
               "estimate (read + write)", "read MiB", "written MiB")
     rows: list[tuple[str, ...]] = [header]
+    warnings = []
     boxes = {box.node: box for stage in plant_boxes(plant) for box in stage}
     for spec in plant.stages:
         measured = first_start_s.get(spec.node)
         estimate = first_start(costs, boxes[spec.node], spec.layers)
         counted = disk_bytes.get(spec.node)
+        if estimate and counted and counted.read < CACHED_READS * estimate.read_bytes:
+            warnings.append(
+                f"warning: box {spec.node} read {counted.read / MIB:.0f} of the "
+                f"{estimate.read_bytes / MIB:.0f} MiB its cut reads from its disk; the rest "
+                "was in the page cache (another box read it first, or another process on "
+                "this machine maps or reads the model), so its first start is short of what "
+                "its disk would take")
         rows.append((
             spec.node,
             f"{estimate.disk.read_mb_s:g} / {estimate.disk.write_mb_s:g}" if estimate else "-",
@@ -177,7 +188,7 @@ def first_start_table(plant: Plant, costs: ModelCosts, first_start_s: dict[str, 
             f"{seconds(estimate.total_s)} s" if estimate else "-",
             f"{counted.read / MIB:.0f}" if counted else "-",
             f"{counted.written / MIB:.0f}" if counted else "-"))
-    return _columns(rows)
+    return "\n".join([_columns(rows), *warnings])
 
 
 def _kib_per(n_bytes: int, steps: float) -> str:
