@@ -43,9 +43,6 @@ class DiskBytes:
     read: int
     written: int
 
-    def __sub__(self, other: DiskBytes) -> DiskBytes:
-        return DiskBytes(self.read - other.read, self.written - other.written)
-
 
 class BoxGroup(ABC):
     """The control group of one box."""

@@ -363,7 +363,8 @@ class _Copier:
             # Read once: the box's memory is better spent keeping the stage file, which
             # llama.cpp reads next, than the source's pages. With them kept, a 4 GiB box
             # evicted its 3 GB stage file to hold them, and llama.cpp read it again from its
-            # card (DeepSeek-V2-Lite's shape on a rehearsed 60 MB/s Pi: 47 s of 132).
+            # card (DeepSeek-V2-Lite's shape on a rehearsed 60 MB/s Pi: 2.7 GB more, ~45 s of
+            # its 132 s first start).
             os.posix_fadvise(self.src, offset, moved, os.POSIX_FADV_DONTNEED)
             self._write_back()
             offset += moved
