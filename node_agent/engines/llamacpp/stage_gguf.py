@@ -365,7 +365,8 @@ class _Copier:
             # evicted its 3 GB stage file to hold them, and llama.cpp read it again from its
             # card (DeepSeek-V2-Lite's shape on a rehearsed 60 MB/s Pi: 2.7 GB more, ~45 s of
             # its 132 s first start).
-            os.posix_fadvise(self.src, offset, moved, os.POSIX_FADV_DONTNEED)
+            if _FADVISE is not None:
+                _FADVISE(self.src, offset, moved, os.POSIX_FADV_DONTNEED)
             self._write_back()
             offset += moved
             progress.add(moved)
@@ -377,7 +378,7 @@ class _Copier:
         rehearsed box's io limit meters every byte (cgroup v1 charges the kernel's own
         writeback to no box: it metered 581 of the 2,709 MiB a rehearsed Pi wrote)."""
         if self.written - self._synced >= WRITE_BACK:
-            os.fdatasync(self.dst)
+            _DATASYNC(self.dst)
             self._synced = self.written
 
     def _copy(self, offset: int, size: int) -> int:
@@ -405,6 +406,11 @@ class _Copier:
         while view:
             view = view[os.write(self.dst, view):]
 
+
+# Linux's calls; where they are missing (macOS), the page cache is left to the kernel and
+# fsync writes the data back with the metadata.
+_FADVISE = getattr(os, "posix_fadvise", None)
+_DATASYNC = getattr(os, "fdatasync", os.fsync)
 
 # copy_file_range's errors that mean "not between these two files", not a failed copy.
 _NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
