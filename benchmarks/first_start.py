@@ -1,16 +1,18 @@
 """A plant's first start on its boxes' disks: the bench section "First start on a box's disk".
 
-    sudo python benchmarks/first_start.py PLANT.yaml [--unlimited] [--cpus N]
+    python benchmarks/first_start.py PLANT.yaml [--unlimited] [--cpus N]   # as root
 
 The plant's boxes are rehearsed (edgebus/rehearse), each box's disk held to its `disk:`
 read and write rates with the io controller and the model dropped from the page cache;
 its agents are started and the bench waits until every one is online. Per stage box: the
 first start (its process started to "online": the stage file cut from the model's GGUF,
-then llama.cpp's load), the time the box's disk takes to read its share (the stage file
-it cut) at its read rate, their ratio, the cut's own time (from the agent's log) and what
-the box's io controller counted. The share's read time is the peer: what the box cannot
-start faster than. `--unlimited` then starts the same plant with the boxes' disk: left
-out, at this machine's disk, for what the rates add.
+then llama.cpp's load), the CPU time the box used until then (a start that used less than
+its quota's CPU waited on its disk, or on this machine's other work), the time the box's
+disk takes to read its share (the stage file it cut) at its read rate, their ratio, the
+cut's own time (from the agent's log) and what the box's io controller counted. The
+share's read time is the peer: what the box cannot start faster than. `--unlimited` then
+starts the same plant with the boxes' disk: left out, at this machine's disk, for what
+the rates add.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class BoxStart:
     box: str
     read_mb_s: float | None
     first_start_s: float
+    cpu_s: float               # the box's CPU time until then
     stage_bytes: int           # the stage file the box cut (its share)
     cut_s: float | None        # the cut, as its agent logged it (None: under 5 s, unlogged)
     disk: DiskBytes | None     # what the box's io controller counted until online
@@ -91,14 +94,13 @@ def start(plant: Plant, workdir: Path, options: Options) -> list[BoxStart]:
             cut = list(stages.glob(f"*.{first}-{end}.*.gguf"))
             log = (workdir / "logs" / f"{spec.node}.log").read_text(errors="replace")
             cut_s = next((float(m.group(4)) for m in _CUT_LINE.finditer(log)), None)
-            measured = rehearsal.first_start_s(spec.node)
-            assert measured is not None  # wait_online saw every agent online
+            began = rehearsal.online[spec.node]  # wait_online saw every agent online
             box = next(b for b in plant.boxes or () if b.name == spec.node)
             starts.append(BoxStart(
                 box=spec.node, read_mb_s=box.disk.read_mb_s if box.disk else None,
-                first_start_s=measured,
+                first_start_s=began.seconds, cpu_s=began.cpu_s,
                 stage_bytes=cut[0].stat().st_size if cut else plant.model.stat().st_size,
-                cut_s=cut_s, disk=rehearsal.disk_at_online.get(spec.node)))
+                cut_s=cut_s, disk=began.disk))
         say("tearing down")
     return starts
 
@@ -112,14 +114,15 @@ def without_disks(plant: Plant) -> Plant:
 
 def table(starts: list[BoxStart], rated: list[BoxStart] | None = None) -> str:
     """Markdown rows, a box each; `rated`: the run at the boxes' rates, for the share."""
-    lines = ["| box | disk read MB/s | stage file (share) | first start | its share at the "
-             "read rate | first start / share | the cut | read / written (io controller) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| box | disk read MB/s | stage file (share) | first start | box CPU | its share "
+             "at the read rate | first start / share | the cut | read / written (io "
+             "controller) |", "|---|---|---|---|---|---|---|---|---|"]
     for start_, peer in zip(starts, rated or starts, strict=True):
         share_s = peer.share_s
         lines.append(
             f"| {start_.box} | {start_.read_mb_s or 'unlimited'} | "
             f"{start_.stage_bytes / MIB:,.0f} MiB | {seconds(start_.first_start_s)} s | "
+            f"{seconds(start_.cpu_s)} s | "
             + (f"{seconds(share_s)} s | {start_.first_start_s / share_s:.2f}x | "
                if share_s else "- | - | ")
             + (f"{start_.cut_s:.0f} s | " if start_.cut_s is not None else "under 5 s | ")

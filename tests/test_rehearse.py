@@ -16,6 +16,7 @@ import pytest
 from edgebus.core.errors import EdgebusError
 from edgebus.rehearse import Options, even_variant, netns, one_box_variant
 from edgebus.rehearse.cgroups import DiskBytes
+from edgebus.rehearse.rehearsal import Online
 from edgebus.rehearse.report import Prediction, cycle_time, first_start_table, predict
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from edgebus.rehearse.workload import ROWS_PER_GROUP
@@ -242,16 +243,16 @@ def test_the_first_start_table_sets_each_box_beside_its_share_at_its_rate(
                          BoxSpec(name="pi-2", memory_mb=4096)],
                   stages=[StageSpec(node="pi-1", layers=(0, 4), weights="gguf"),
                           StageSpec(node="pi-2", layers=(4, 8), weights="gguf")])
-    table = first_start_table(plant, costs, {"pi-1": 30.0, "pi-2": None},
-                              {"pi-1": DiskBytes(read=2000 << 20, written=2001 << 20),
-                               "pi-2": None})
+    table = first_start_table(plant, costs, {"pi-1": Online(
+        seconds=30.0, cpu_s=12.0, disk=DiskBytes(read=2000 << 20, written=2001 << 20))})
     header, pi_1, pi_2 = (line.split("  ") for line in table.splitlines())
     cells = [[cell.strip() for cell in row if cell.strip()] for row in (header, pi_1, pi_2)]
-    assert cells[0][:3] == ["box", "disk MB/s r/w", "first start"]
-    assert cells[1] == ["pi-1", "100 / 100", "30 s", "20 s", "1.50x", "40 s", "2000", "2001"]
-    assert cells[2] == ["pi-2", "-", "-", "-", "-", "-", "-", "-"]
+    assert cells[0][:4] == ["box", "disk MB/s r/w", "first start", "CPU"]
+    assert cells[1] == ["pi-1", "100 / 100", "30 s", "12 s", "20 s", "1.50x", "40 s", "2000",
+                        "2001"]
+    assert cells[2] == ["pi-2", "-", "-", "-", "-", "-", "-", "-", "-"]
     # A box that read its share from the page cache did not start at its disk's rate.
-    cached = first_start_table(plant, costs, {"pi-1": 3.0}, {"pi-1": DiskBytes(0, 2001 << 20)})
+    cached = first_start_table(plant, costs, {"pi-1": Online(3.0, 2.0, DiskBytes(0, 2001 << 20))})
     assert cached.splitlines()[-1].startswith(
         "warning: box pi-1 read 0 of the 1907 MiB its cut reads from its disk; the rest was "
         "in the page cache"), cached

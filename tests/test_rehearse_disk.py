@@ -71,8 +71,8 @@ def test_boxes_with_a_slow_card_read_the_model_cold_at_their_rate(tmp_path: Path
 
         asyncio.run(online())
         shown = {node: limits(running.groups[node]) for node in nodes}
-        counted = {node: running.disk_at_online[node] for node in nodes}
-        first_start_s = {node: running.first_start_s(node) for node in nodes}
+        counted = {node: running.online[node].disk for node in nodes}
+        first_start_s = {node: running.online[node].seconds for node in nodes}
 
     [device] = disk.devices([model, workdir])
     stage_files = {node: next((workdir / "home" / "stages").glob(
@@ -90,7 +90,7 @@ def test_boxes_with_a_slow_card_read_the_model_cold_at_their_rate(tmp_path: Path
         # Reading what it read takes the box at least this long at 5 MB/s; at this
         # machine's disk, a fraction of a second.
         start = first_start_s[node]
-        assert start is not None and start >= CARD.read_s(read.read), (node, start, read)
+        assert start >= CARD.read_s(read.read), (node, start, read)
     # Cold: every byte of the model was read from the disk by one box or the other (the
     # boxes share this machine's page cache, so a page one box read the other may find
     # there: the embedding both cut, the fingerprint's pieces), through their limits.

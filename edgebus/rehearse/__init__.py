@@ -184,14 +184,10 @@ def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, to
                   + (f" / {rehearsal.coordinator_box}"
                      if rehearsal.coordinator_box != rehearsal.broker_box else ""))
             print(box_table(rehearsal.plant, measured, prediction))
-            nodes = [spec.node for spec in variant.stages]
-            print("first start (started to online: the cut and the load), against reading "
-                  "the box's share at its disk's read rate; read and written: what its io "
-                  "controller counted\n"
-                  + first_start_table(rehearsal.plant, costs,
-                                      {node: rehearsal.first_start_s(node) for node in nodes},
-                                      {node: rehearsal.disk_at_online.get(node)
-                                       for node in nodes}))
+            print("first start (started to online: the cut and the load) and the CPU its box "
+                  "used by then, against reading the box's share at its disk's read rate; read "
+                  "and written: what its io controller counted\n"
+                  + first_start_table(rehearsal.plant, costs, rehearsal.online))
             print(summary(rehearsal.plant, measured, prediction) + "\n")
         _, first, first_p = results[0]
         for name, other, other_p in results[1:]:

@@ -65,6 +65,16 @@ class Options:
     batch_groups: int | None = None
 
 
+@dataclass(frozen=True)
+class Online:
+    """An agent's first start, its process started to its first "online" (a stage's cut and
+    load), and what its box had used by then: whether its disk or its CPU bound it."""
+
+    seconds: float
+    cpu_s: float  # its box's CPU time, a broker's and coordinator's there included
+    disk: cgroups.DiskBytes | None  # what its box read and wrote (None: no io controller)
+
+
 def missing() -> list[str]:
     """Everything this machine lacks for a rehearsal, each with what to do about it."""
     problems = netns.missing() + cgroups.missing()
@@ -110,10 +120,7 @@ class Rehearsal:
         self._saved_handlers: dict[int, object] = {}
         self.last_rss: dict[str, int] = {}  # agent -> its RSS when last seen (watch_memory)
         self.started_at: dict[str, float] = {}  # agent -> time.monotonic() of its start
-        # agent -> time.monotonic() when it was first seen online, and its box's disk bytes
-        # then (None: no io controller): its first start (came_online)
-        self.online_at: dict[str, float] = {}
-        self.disk_at_online: dict[str, cgroups.DiskBytes | None] = {}
+        self.online: dict[str, Online] = {}  # agent -> its first start (came_online)
         # agent -> what the plan counted for it, in words (run_rehearse's fit check)
         self.planned: dict[str, str] = {}
 
@@ -328,17 +335,11 @@ class Rehearsal:
         self._terminate([agent])
 
     def came_online(self, agent: str) -> None:
-        """Note `agent`'s first start as it ends: the time, and what its box has read and
-        written on its disk (the cut and the load)."""
-        if agent not in self.online_at:
-            self.online_at[agent] = time.monotonic()
-            self.disk_at_online[agent] = self.groups[self.box_of[agent]].disk_bytes()
-
-    def first_start_s(self, agent: str) -> float | None:
-        """Seconds from `agent`'s start to its first "online" (None: not seen online)."""
-        if agent not in self.online_at:
-            return None
-        return self.online_at[agent] - self.started_at[agent]
+        """Note `agent`'s first start as it ends (the first time it is seen online)."""
+        if agent not in self.online:
+            group = self.groups[self.box_of[agent]]
+            self.online[agent] = Online(seconds=time.monotonic() - self.started_at[agent],
+                                        cpu_s=group.cpu_usage_s(), disk=group.disk_bytes())
 
     def pid(self, agent: str) -> int:
         return self.procs[agent].pid

@@ -29,7 +29,7 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from edgebus.rehearse.cgroups import DiskBytes
+from edgebus.rehearse.rehearsal import Online
 from edgebus.rehearse.sizing import BoxShare
 from edgebus.rehearse.workload import ROWS_PER_GROUP, Measurement, decode_step_ms
 from plant_config.first_start import first_start, seconds
@@ -156,21 +156,21 @@ def box_table(plant: Plant, measured: Measurement, prediction: Prediction) -> st
     return _columns(rows)
 
 
-def first_start_table(plant: Plant, costs: ModelCosts, first_start_s: dict[str, float | None],
-                      disk_bytes: dict[str, DiskBytes | None]) -> str:
+def first_start_table(plant: Plant, costs: ModelCosts, online: dict[str, Online]) -> str:
     """Per stage node: its first start (its process started to "online": the cut and the
-    load), beside the time its box's disk takes to read its share (the stage file) and the
-    planner's estimate (the cut's read and write, plant_config/first_start.py), and what its
-    box's io controller counted."""
-    header = ("box", "disk MB/s r/w", "first start", "share at read rate", "x share",
+    load) and the CPU its box used by then, beside the time its box's disk takes to read
+    its share (the stage file) and the planner's estimate (the cut's read and write,
+    plant_config/first_start.py), and what its box's io controller counted."""
+    header = ("box", "disk MB/s r/w", "first start", "CPU", "share at read rate", "x share",
               "estimate (read + write)", "read MiB", "written MiB")
     rows: list[tuple[str, ...]] = [header]
     warnings = []
     boxes = {box.node: box for stage in plant_boxes(plant) for box in stage}
     for spec in plant.stages:
-        measured = first_start_s.get(spec.node)
+        started = online.get(spec.node)
+        measured = started.seconds if started else None
         estimate = first_start(costs, boxes[spec.node], spec.layers)
-        counted = disk_bytes.get(spec.node)
+        counted = started.disk if started else None
         if estimate and counted and counted.read < CACHED_READS * estimate.read_bytes:
             warnings.append(
                 f"warning: box {spec.node} read {counted.read / MIB:.0f} of the "
@@ -182,6 +182,7 @@ def first_start_table(plant: Plant, costs: ModelCosts, first_start_s: dict[str, 
             spec.node,
             f"{estimate.disk.read_mb_s:g} / {estimate.disk.write_mb_s:g}" if estimate else "-",
             f"{seconds(measured)} s" if measured is not None else "-",
+            f"{seconds(started.cpu_s)} s" if started else "-",
             f"{seconds(estimate.later_s)} s" if estimate else "-",
             f"{measured / estimate.later_s:.2f}x" if estimate and measured is not None
             and estimate.later_s else "-",
