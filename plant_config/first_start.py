@@ -6,7 +6,9 @@ file from the model's GGUF on its own box when it first starts
 blocks, and the embedding or the LM head where it has them) and writes the stage file,
 which holds the same blocks and the stand-in matrix of zeros llama.cpp insists on (written,
 never read). Then llama.cpp reads the stage file, which the cut has just written and the
-page cache still holds on a box with the memory for it. On a later start the stage file
+page cache still holds on a box with the memory for it (where the box's memory cannot hold
+the file beside llama.cpp's copy of it, a part is read again: docs/rehearse.md, not
+counted here). On a later start the stage file
 is cut already, and the start reads it alone. A node of the whole model cuts nothing and
 reads the GGUF.
 
@@ -102,5 +104,6 @@ def first_start_table(result: Plan, costs: ModelCosts) -> str | None:
     return "\n".join([
         "first start, on each box's disk: a llama.cpp node cuts its stage file from the GGUF "
         "on its box (reads its share, writes the file: read + write s), then llama.cpp reads "
-        "the file the page cache still holds; later starts read the cut file (disk alone: "
-        "the cut's copy and llama.cpp's load take CPU beside it)", *table])
+        "the file, from the page cache where the box's memory still holds it; later starts "
+        "read the cut file (disk alone: the cut's copy and llama.cpp's load take CPU beside "
+        "it)", *table])
