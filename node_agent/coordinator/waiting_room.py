@@ -105,7 +105,9 @@ class WaitingRoom:
         if self._can_start(client) and claim():
             self._start(place)
             return place
-        if (bounded and self._length >= self.bound) or wait_s == 0:
+        if wait_s == 0:
+            raise self._busy(client, "it asked not to wait (max_wait_s 0)")
+        if bounded and self._length >= self.bound:
             raise self._busy(client)
         self._waiting.setdefault(client, collections.deque()).append(place)
         self._length += 1
@@ -193,7 +195,9 @@ class WaitingRoom:
         if not place.turn.done():
             place.turn.set_result(None)
 
-    def _busy(self, client: str) -> RequestError:
+    def _busy(self, client: str, also: str | None = None) -> RequestError:
+        """`busy` for `client`'s request that cannot start: why, and when to come again;
+        `also`: why it cannot wait either, if not the room's bound."""
         retry = self.retry_after_s()
         if self.in_flight >= self.max_in_flight:
             why = (f"{self.in_flight} requests in flight, the limit is {self.max_in_flight} "
@@ -202,7 +206,9 @@ class WaitingRoom:
             why = (f"gateway {client} has {self.running[client]} requests in flight, its "
                    f"share of the plant's max_in_flight {self.max_in_flight} is "
                    f"{self.client_limit} (coordinator.max_in_flight_per_client)")
-        if self.bound:
+        if also is not None:
+            why += f", and {also}"
+        elif self.bound:
             why += (f", and {self._length} wait for a slot, the bound is {self.bound} "
                     "(coordinator.max_queue)")
         return RequestError("busy", f"{why}: retry in {retry:.0f} s", retry_after_s=retry)
