@@ -101,7 +101,8 @@ QUEUE_SLACK = 16
 EXTRA_CONNECTIONS = 64
 # Coordinator error codes that mean the request itself must change.
 _CLIENT_ERRORS = frozenset({"too_large", "not_utf8", "invalid_json", "invalid_request", "top_k",
-                            "reply_to", "max_tokens", "prompt_length", "too_long"})
+                            "reply_to", "max_tokens", "prompt_length", "too_long",
+                            "max_wait"})
 # The others that have a status of their own; any other code is the plant failing (502).
 _PLANT_STATUS = {"busy": 429, "unavailable": 503, "timeout": 504}
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -576,9 +577,9 @@ class HttpGateway:
         # nothing at all.
         timeout = timeout_s or (plant.coordinator.max_wait_s + plant.coordinator.request_timeout_s
                                 + plant.liveness.stage_wait_s)
-        # More than the coordinator admits from one gateway would only be refused
-        # there; fewer would turn away what the plant could serve.
-        limit = max_in_flight or plant.coordinator.client_limit
+        # More than the coordinator starts from one gateway and its waiting room holds
+        # would only be refused there; fewer would turn away what the plant could serve.
+        limit = max_in_flight or plant.coordinator.client_limit + plant.coordinator.max_queue
         self.gateway = Gateway(plant, self.client_id, timeout_s=timeout, max_in_flight=limit)
         self.server = uvicorn.Server(uvicorn.Config(
             create_app(plant, self.gateway, self.keys), host=self.host, port=self.port,

@@ -145,6 +145,9 @@ class WaitingRoom:
             if self.running[place.client] <= 0:
                 del self.running[place.client]
             self._finished.append(self._clock())
+            if not self.running and not self._length:
+                # Idle: the next storm's rate is measured afresh, not averaged with a gap.
+                self._finished.clear()
             self.dispatch()
             return
         queue = self._waiting.get(place.client)
@@ -178,13 +181,12 @@ class WaitingRoom:
 
     def retry_after_s(self) -> float:
         """When a request refused now should come again: the time the requests waiting
-        take to start, at the rate requests finished lately."""
+        take to start, at the rate requests have finished since the plant was last idle
+        (up to RATE_WINDOW of them; a plant that stalls since slows the rate)."""
         if len(self._finished) < 2:
             return UNMEASURED_RETRY_S
         span = self._clock() - self._finished[0]
-        if span <= 0:
-            return MIN_RETRY_S
-        rate = len(self._finished) / span
+        rate = (len(self._finished) - 1) / span if span > 0 else float("inf")
         return round(max(MIN_RETRY_S, (self._length + 1) / rate), 1)
 
     def _can_start(self, client: str) -> bool:
@@ -202,10 +204,13 @@ class WaitingRoom:
         if self.in_flight >= self.max_in_flight:
             why = (f"{self.in_flight} requests in flight, the limit is {self.max_in_flight} "
                    "(coordinator.max_in_flight)")
-        else:
+        elif self.running[client] >= self.client_limit:
             why = (f"gateway {client} has {self.running[client]} requests in flight, its "
                    f"share of the plant's max_in_flight {self.max_in_flight} is "
                    f"{self.client_limit} (coordinator.max_in_flight_per_client)")
+        else:
+            why = (f"{self.in_flight} requests in flight hold the KV budget of the stages' "
+                   "nodes (kv_budget_mb)")
         if also is not None:
             why += f", and {also}"
         elif self.bound:
