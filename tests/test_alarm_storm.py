@@ -67,8 +67,9 @@ def busy_with_retry(gw: Gateway, rid: str, words: str) -> None:
 async def test_a_storm_waits_fairly_and_past_its_bound_or_deadline_is_told_when_to_retry(
         tiny_llama_gguf: Path, mosquitto_broker: MosquittoBroker, tmp_path: Path) -> None:
     """A burst past max_in_flight is served whole and token-exact, another gateway's single
-    request is not served last, and past the room's bound or a request's deadline the
-    answer is `busy` with a retry time; nothing is lost or answered twice."""
+    request is not served last, a waiting request can be cancelled, and past the room's
+    bound or a request's deadline the answer is `busy` with a retry time; nothing is lost
+    or answered twice."""
     path, plant = write_plant_file(tiny_llama_gguf, mosquitto_broker, tmp_path)
     coordinator = plant.coordinator.id
     burst = requests(TOKENS, prefix="f", count=IN_FLIGHT + 8)
@@ -83,6 +84,12 @@ async def test_a_storm_waits_fairly_and_past_its_bound_or_deadline_is_told_when_
             await until_waiting(flood, plant, len(burst) - IN_FLIGHT)
             # Another gateway's single request, behind the whole burst.
             await send(plc_bus, plant, single, "plc", plc)
+            # A waiting request its gateway cancels leaves the room, answered `cancelled`.
+            cancelled = requests(TOKENS, prefix="c", count=1)
+            await send(plc_bus, plant, cancelled, "plc", plc)
+            await until_waiting(plc, plant, len(burst) - IN_FLIGHT + 2)
+            await plc_bus.publish(plant.topics.cancel("plc"), '{"id": "c0"}', qos=1)
+            await plc.until(lambda: "c0" in plc.responses, WAIT_S)
             # Deadlines: none (busy at once), a short one (busy once it runs out), and one
             # past the plant's (refused, saying what the plant allows).
             deadlines = [GenerateRequest(id="now", prompt="Axis 2 fault", max_tokens=TOKENS,
@@ -105,6 +112,8 @@ async def test_a_storm_waits_fairly_and_past_its_bound_or_deadline_is_told_when_
             served = [*burst, full[0]]
             await flood.until_answered(served, WAIT_S)
             await plc.until_answered(single, WAIT_S)
+    error = plc.responses["c0"].error
+    assert error is not None and error.code == "cancelled" and "while it waited" in error.message
     busy_with_retry(plc, "now", "it asked not to wait (max_wait_s 0)")
     busy_with_retry(plc, "short", "as long as its max_wait_s allows")
     error = plc.responses["long"].error
