@@ -7,14 +7,16 @@
 Mosquitto on a free port, and a llama.cpp plant of the bundled SmolLM2 GGUF as
 `make_plant` splits it, every agent a process (`edgebus.launcher.PlantProcesses`).
 First each distinct request is answered alone, one after the other: the answers
-the storm's must equal token for token. Then the storm, twice: with the plant's
+the storm's must equal token for token. Then the storm, three times: with the plant's
 default waiting room (`coordinator.max_queue`), where every request should be
-answered, and with the room's bound set to --bounded-queue, where what neither
-starts nor fits in the room is answered `busy` at once with a retry time. Each
-request must get exactly one answer either way. Reported per run: answered,
-token-exact, busy (and the slowest busy answer, and the retry times asked), each
-gateway's last answer after the storm began, and the ratio of the slowest
-gateway's last answer to the median gateway's (target <= 1.5).
+answered, with the room's bound set to --bounded-queue, where what neither
+starts nor fits in the room is answered `busy` at once with a retry time, and
+with no room (`max_queue: 0`), the coordinator as it was before issue 44, the
+peer of the first run. Each request must get exactly one answer every time.
+Reported per run: answered, token-exact, busy (when the busy answers came, and
+the retry times asked), each gateway's last served answer after the storm
+began, and the ratio of the slowest gateway's to the median gateway's (target
+<= 1.5).
 """
 
 from __future__ import annotations
@@ -206,7 +208,8 @@ def report(result: StormResult) -> str:
               "- each gateway's last served answer (s): "
               + ", ".join(f"{t:.1f}" for t in lasts),
               f"- slowest gateway / median gateway: {max(lasts):.1f} / {median:.1f} s = "
-              f"{max(lasts) / median:.2f}x", ""]
+              + (f"{max(lasts) / median:.2f}x" if median > 0 else
+                 "n/a (the median gateway had no request served)"), ""]
     return "\n".join(lines)
 
 
@@ -217,7 +220,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> str:
            f"load before: {os.getloadavg()[0]:.1f}", ""]
     with MosquittoProcess(workdir / "mosquitto") as mosquitto:
         variants = [("waiting room as the plant file defaults it", None),
-                    (f"waiting room bounded at {args.bounded_queue}", args.bounded_queue)]
+                    (f"waiting room bounded at {args.bounded_queue}", args.bounded_queue),
+                    ("no waiting room: busy at once, as before issue 44", 0)]
         alone: dict[str, list[int]] = {}
         for n, (label, max_queue) in enumerate(variants):
             path = plant_file(model, mosquitto.url, workdir, args.stages, max_queue,
