@@ -162,7 +162,7 @@ class Intake:
     def resume(self, entries: Iterable[Entry]) -> None:
         """Serve what a previous run left unanswered in the journal, in the order it arrived:
         requests that were in flight and those that waited take their places in the
-        waiting room first, ahead of any new one."""
+        waiting room in that order, the moment the broker connects."""
         for entry in sorted(entries, key=lambda e: e.received or 0.0):
             self._counters["resumed"] += 1
             self._spawn(self.serve_request(entry.client, entry.payload, entry.response_topic,
