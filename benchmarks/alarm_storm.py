@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -96,7 +97,10 @@ def storm_request(gateway: int, index: int, tokens: int) -> GenerateRequest:
 
 def plant_file(model: Path, url: str, workdir: Path, stages: int, max_queue: int | None,
                name: str) -> Path:
-    plant = make_plant(model, stages=stages, broker=url, plant_id=name, weights="gguf")
+    # A topic root of its own: a run cut short leaves requests journaled and retained
+    # statuses behind, which the next run must not meet under the same names.
+    plant = make_plant(model, stages=stages, broker=url, plant_id=name, weights="gguf",
+                       topic_root=f"edgebus-bench/{name}-{secrets.token_hex(4)}")
     if max_queue is not None:
         plant = plant.model_copy(update={"coordinator": plant.coordinator.model_copy(
             update={"max_queue": max_queue})})
@@ -173,9 +177,9 @@ async def _receive(client: aiomqtt.Client, run: GatewayRun, wanted: set[str],
         answer = GenerateResponse.model_validate_json(message.payload)
         if answer.id in run.answers:
             run.copies += 1
-            continue
-        run.answers[answer.id] = answer
-        run.at[answer.id] = time.monotonic() - started
+        else:
+            run.answers[answer.id] = answer
+            run.at[answer.id] = time.monotonic() - started
         if wanted <= run.answers.keys():
             return
 
@@ -215,6 +219,8 @@ def report(result: StormResult) -> str:
 
 async def run(args: argparse.Namespace, workdir: Path) -> str:
     model = bundled_gguf()
+    # The coordinators' journals in the run's own directory (its agents inherit this).
+    os.environ["EDGEBUS_HOME"] = str(workdir / "home")
     out = [f"{args.gateways} gateways x {args.requests} requests of {args.tokens} tokens, "
            f"{args.stages} llama.cpp stages of {model.name}, Mosquitto; "
            f"load before: {os.getloadavg()[0]:.1f}", ""]
