@@ -227,9 +227,9 @@ class CoordinatorSpec(_Section):
     max_queue: int = Field(default=512, ge=0, le=100_000)
     # Seconds a request waits for a slot at most (a request may ask for less, max_wait_s);
     # past it, `busy` with a retry time. The storm of 16 PLCs x 25 requests of 16 tokens
-    # on the bundled SmolLM2 (3 llama.cpp stages, 2-core Xeon VM at load 9) had its last
-    # answer 169 s after it began (docs/benchmarks.md): 600 s serves it 3.5 times over,
-    # and a PLC still waiting for alarm advice after 10 minutes has moved on.
+    # on the bundled SmolLM2 (3 llama.cpp stages, 2-core Xeon VM at load 9-13) had its
+    # last answer 169-201 s after it began (docs/benchmarks.md): 600 s serves it 3 times
+    # over, and a PLC still waiting for alarm advice after 10 minutes has moved on.
     max_wait_s: float = Field(default=600.0, ge=0.0, le=MAX_WAIT_S)
     candidates: PositiveInt = 64  # top-k (id, logit) pairs the last stage returns per token
     request_timeout_s: PositiveFloat = 120.0
