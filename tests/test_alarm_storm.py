@@ -12,7 +12,10 @@ the request alone shows a request that waited is served as if it had not.
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,8 @@ MAX_WAIT_S = 600.0
 # Tokens per request: a few decode steps of the tiny model.
 TOKENS = 8
 WAIT_S = 300.0
+# `edgebus status`: a Python start-up and its listening window, on a loaded box.
+STATUS_S = 60.0
 
 
 def write_plant_file(model: Path, broker: MosquittoBroker, workdir: Path) -> tuple[Path, Plant]:
@@ -108,6 +113,11 @@ async def test_a_storm_waits_fairly_and_past_its_bound_or_deadline_is_told_when_
             await until_waiting(flood, plant, QUEUE)
             # The burst's first waiting request has waited since before `short` ran out.
             assert flood.metric(coordinator, "oldest_wait_s") >= 0.2
+            # What an operator sees: the room's length and its oldest wait.
+            shown = subprocess.run([sys.executable, "-m", "edgebus", "status", str(path)],
+                                   capture_output=True, text=True, timeout=STATUS_S).stdout
+            row = next(line for line in shown.splitlines() if line.startswith(coordinator))
+            assert re.search(rf"\b{QUEUE}, \d+s\b", row), shown
             agents.start_stage(plant.stages[0].node)
             served = [*burst, full[0]]
             await flood.until_answered(served, WAIT_S)
