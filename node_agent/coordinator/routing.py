@@ -58,7 +58,7 @@ class Routes:
         self._counters = counters
 
     def check_fits(self, gen: Generation) -> None:
-        """Refuse a request no route has KV room for: too long for any node, or busy."""
+        """Refuse a request too long for the KV budget of every node of a stage."""
         for stage in self.pipeline:
             needs = [self.kv[n].need(gen.max_len) for n in stage.node_ids]
             if all(need > self.kv[n].budget for n, need in zip(stage.node_ids, needs,
@@ -67,10 +67,20 @@ class Routes:
                                    f"{min(needs) / 2**20:.1f} MiB of KV cache on stage "
                                    f"{stage.index}, more than its nodes' kv_budget_mb: lower "
                                    "max_tokens or the prompt")
-            if all(self.health[n].held + need > self.kv[n].budget
-                   for n, need in zip(stage.node_ids, needs, strict=True)):
-                raise RequestError("busy", f"the KV budget of every node of stage "
-                                   f"{stage.index} is taken by requests in flight: retry later")
+
+    def claim(self, gen: Generation) -> bool:
+        """Route `gen` now if its KV fits on live nodes, holding it; False while the
+        requests in flight hold too much of it (it waits in the waiting room).
+
+        A stage with no live node is no reason to wait there: `gen` starts, and its
+        first step waits for a node (route) and says which is missing.
+        """
+        route = self._pick(gen)
+        if isinstance(route, tuple):
+            self._assign(gen, route)
+            return True
+        return not all(any(self.health[n].alive for n in stage.node_ids)
+                       for stage in self.pipeline)
 
     def _pick(self, gen: Generation) -> tuple[int, ...] | str:
         """The least loaded live route with KV room for `gen`, or why there is none."""
@@ -102,15 +112,19 @@ class Routes:
             except TimeoutError:
                 raise RequestError("unavailable", f"waited {self.liveness.stage_wait_s:.0f} s: "
                                    f"{route}") from None
-        gen.route, gen.epoch, gen.synced, gen.lost = route, gen.epoch + 1, 0, None
-        gen.nodes = [stage.nodes[r].node for stage, r in zip(self.pipeline, route, strict=True)]
-        for node_id in gen.nodes:
-            self.health[node_id].held += self.kv[node_id].need(gen.max_len)
+        self._assign(gen, route)
         if replay is not None:
             self._counters["failovers"] += 1
             self._reporter.report("warning", f"replaying {len(gen.history)} positions of "
                                   f"request {gen.request.id} on {', '.join(gen.nodes)} "
                                   f"({replay})", gen.request.id)
+
+    def _assign(self, gen: Generation, route: tuple[int, ...]) -> None:
+        """Put `gen` on `route` under a new epoch, its KV held on the route's nodes."""
+        gen.route, gen.epoch, gen.synced, gen.lost = route, gen.epoch + 1, 0, None
+        gen.nodes = [stage.nodes[r].node for stage, r in zip(self.pipeline, route, strict=True)]
+        for node_id in gen.nodes:
+            self.health[node_id].held += self.kv[node_id].need(gen.max_len)
 
     def row_costs(self, gen: Generation) -> tuple[float, ...]:
         """What 1, 2, ... positions of one request in one call cost against one position,
