@@ -229,10 +229,9 @@ class Speculation(_Section):
     # 250 bytes each: the default holds ~8 MiB, the n-grams of some 11000 tokens of text,
     # tens of recent requests; the most allowed ~250 MiB.
     answer_cache: int = Field(default=32768, ge=0, le=1_000_000)
-    # Positions a decode frame carries, the token's and drafts: unset, chosen per frame
-    # from the stages' measured cost of k positions in one call and the drafts taken lately
-    # (node_agent/speculation.py); set, that many wherever the window and the stages'
-    # `exact_rows` allow, for a plant whose boxes were benchmarked (docs/benchmarks.md).
+    # Positions a decode frame carries at most, the token's and drafts: unset, the window
+    # spread over a frame per stage up to the stages' `exact_rows` (node_agent/speculation.py);
+    # set, at most that many, where a plant's benchmark finds smaller frames pay.
     positions_per_frame: int | None = Field(default=None, ge=1, le=MAX_DECODE_POSITIONS)
 
     @model_validator(mode="after")

@@ -32,9 +32,8 @@ class NodeHealth:
     seen: float = 0.0  # time.monotonic() of its last sign of life
     session: tuple[str, int, int] | None = None  # (host, pid, bdseq) of its MQTT session
     held: int = 0  # KV bytes reserved by requests routed through it
-    # What 1, 2, ... positions of one request cost it in one call against one position's,
-    # as many as it verifies in one call (its engine's `exact_rows` and `row_cost_k`).
-    row_costs: tuple[float, ...] = (1.0,)
+    # Positions of one request it verifies in one call (its engine's, in its status).
+    exact_rows: int = 1
 
 
 class Routes:
@@ -126,12 +125,9 @@ class Routes:
         for node_id in gen.nodes:
             self.health[node_id].held += self.kv[node_id].need(gen.max_len)
 
-    def row_costs(self, gen: Generation) -> tuple[float, ...]:
-        """What 1, 2, ... positions of one request in one call cost against one position,
-        as many as every node of `gen`'s route verifies in one call: at each count, the
-        dearest node's (the step a frame waits for)."""
-        costs = [self.health[node].row_costs for node in gen.nodes] or [(1.0,)]
-        return tuple(max(c[k] for c in costs) for k in range(min(len(c) for c in costs)))
+    def exact_rows(self, gen: Generation) -> int:
+        """Positions of one request every node of `gen`'s route verifies in one call."""
+        return min((self.health[node].exact_rows for node in gen.nodes), default=1)
 
     def unroute(self, gen: Generation) -> None:
         """Give back `gen`'s KV reservations and let its route's nodes free the caches."""
@@ -169,7 +165,8 @@ class Routes:
         node.session = session
         # What it says bounds only the frames sent to it: a stage verifies exactly whatever
         # it is sent (stage.py), so a status that says too much costs speed, never a token.
-        node.row_costs = _row_costs(status.engine or {})
+        rows = (status.engine or {}).get("exact_rows", 1)
+        node.exact_rows = rows if isinstance(rows, int) and rows >= 1 else 1
         self._set_alive(node_id, now - node.seen < self.liveness.timeout_s, "is stale")
 
     async def watch_heartbeats(self) -> None:
@@ -207,15 +204,3 @@ class Routes:
             if node_id in gen.nodes:
                 gen.lose(f"node {node_id} {why}")
 
-
-def _row_costs(engine: dict[str, str | int | float]) -> tuple[float, ...]:
-    """A stage's `row_costs` from its status's engine: 1 position, then `row_cost_k` for
-    k = 2 to its `exact_rows` while they are numbers of at least the one before."""
-    rows = engine.get("exact_rows", 1)
-    costs = [1.0]
-    for k in range(2, rows + 1 if isinstance(rows, int) else 2):
-        cost = engine.get(f"row_cost_{k}")
-        if not isinstance(cost, int | float) or cost < costs[-1]:
-            break
-        costs.append(float(cost))
-    return tuple(costs)
