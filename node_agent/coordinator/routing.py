@@ -6,6 +6,12 @@ When a node of its route dies (its Will, a clean offline, or no heartbeat for
 liveness.timeout_s) or starts a new MQTT session (frames sent to it may be
 lost), the request is marked lost, and the token loop replays it down a healthy
 route under a new route epoch.
+
+A route runs only through nodes that speak this coordinator's frame version, as
+their statuses say: while a plant is upgraded box by box, a node of a release
+whose frames the others would refuse is left out, and a request that has no
+such route waits for one, then is answered `unavailable` naming both releases
+(docs/upgrades.md).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from edgebus.core import frames
+from edgebus.core import frames, versions
 from edgebus.core.errors import RequestError
 from edgebus.core.messages import AgentStatus
 from node_agent.coordinator.generation import Generation
@@ -34,6 +40,12 @@ class NodeHealth:
     held: int = 0  # KV bytes reserved by requests routed through it
     # Positions of one request it verifies in one call (its engine's, in its status).
     exact_rows: int = 1
+    release: str = "?"  # its edgebus release, and the frame version it speaks
+    frame_version: int = versions.UNSAID_FRAME_VERSION
+
+    @property
+    def speaks(self) -> str:
+        return f"edgebus {self.release}, frame version {self.frame_version}"
 
 
 class Routes:
@@ -75,11 +87,15 @@ class Routes:
         """The least loaded live route with KV room for `gen`, or why there is none."""
         route: list[int] = []
         for stage in self.pipeline:
-            live = [r for r, n in enumerate(stage.node_ids) if self.health[n].alive]
-            if not live:
+            alive = [r for r, n in enumerate(stage.node_ids) if self.health[n].alive]
+            if not alive:
                 return (f"stage {stage.index} (layers {list(stage.layers)}) has no live node: "
                         f"{', '.join(stage.node_ids)} offline. Start a node of it (`edgebus "
                         "node PLANT --id NODE`) or check its box")
+            live = [r for r in alive
+                    if self.health[stage.node_ids[r]].frame_version == frames.VERSION]
+            if not live:
+                return self._no_common_version(stage, alive)
             room = [r for r in live if self.health[node := stage.node_ids[r]].held
                     + self.kv[node].need(gen.max_len) <= self.kv[node].budget]
             if not room:
@@ -87,6 +103,15 @@ class Routes:
                         "retry later, or raise their kv_budget_mb")
             route.append(min(room, key=lambda r: self.health[stage.node_ids[r]].held))
         return tuple(route)
+
+    def _no_common_version(self, stage: PipelineStage, alive: list[int]) -> str:
+        """Why no live node of `stage` can be on a route: they all speak other frames."""
+        nodes = ", ".join(f"{stage.node_ids[r]} runs {self.health[stage.node_ids[r]].speaks}"
+                          for r in alive)
+        return (f"no live node of stage {stage.index} speaks this coordinator's frames: "
+                f"{nodes}; the coordinator runs edgebus {versions.EDGEBUS}, frame version "
+                f"{frames.VERSION}. Upgrade in the order docs/upgrades.md gives (standbys, "
+                "then the coordinator, then the rest), or roll this box back")
 
     async def route(self, gen: Generation) -> None:
         """Put `gen` on a live route under a new epoch, waiting a bounded time for one."""
@@ -153,6 +178,12 @@ class Routes:
         # What it says bounds only the frames sent to it: a stage verifies exactly whatever
         # it is sent (stage.py), so a status that says too much costs speed, never a token.
         node.exact_rows = rows if isinstance(rows, int) and rows >= 1 else 1
+        node.release = status.version
+        speaks = (versions.UNSAID_FRAME_VERSION if status.frame_version is None
+                  else status.frame_version)
+        if speaks != node.frame_version:
+            node.frame_version = speaks
+            self._wake()  # requests waiting for a route of this coordinator's version look
         self._set_alive(node_id, now - node.seen < self.liveness.timeout_s, "is stale")
 
     async def watch_heartbeats(self) -> None:

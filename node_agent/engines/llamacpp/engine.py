@@ -201,7 +201,7 @@ class LlamaCppEngine(StageEngine):
         return {"engine": self.name, "weights": "gguf", "device": self.device,
                 "threads": self.threads, "tuned": self.tuned, "weight_bytes": self.param_bytes,
                 "sequences": self.max_sequences, "exact_batch": self.exact_batch,
-                "exact_rows": self.exact_rows}
+                "exact_rows": self.exact_rows, "cut_format": stage_gguf.CUT_FORMAT}
 
     def kv_bytes_per_token(self) -> int:
         return self.kv_per_position
