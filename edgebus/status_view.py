@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,14 +132,21 @@ def report(plant: Plant, view: ClusterView, now: float | None = None) -> dict[st
             "tls": not plant.speaks_plain(), "certificates": certificates(plant)}
 
 
-def upgrade_order(plant: Plant) -> list[str]:
+def upgrade_order(plant: Plant, *, coordinator_first: bool = False) -> list[str]:
     """The agents in the order docs/upgrades.md upgrades them: each stage's standbys (every
-    node after its first), then the coordinator, then each stage's first node. While the
-    standbys restart their stages' first nodes serve; once the coordinator runs the new
-    release, the standbys it routes through run it too, even where frames changed."""
+    node after its first), then the coordinator, then each stage's first node. The
+    coordinator keeps each request on nodes of one release, its own first
+    (node_agent/coordinator/routing.py): while the standbys restart the first nodes serve,
+    and once the coordinator runs the new release it sends new requests to the upgraded
+    standbys, so the first nodes drain. `coordinator_first`: its coordinator runs edgebus
+    0.1.0, which mixed releases on a route; the new one goes first, and then they don't."""
     stages = plant.pipeline
-    return [*(node for stage in stages for node in stage.node_ids[1:]), plant.coordinator.id,
-            *(stage.node_ids[0] for stage in stages)]
+    coordinator = [plant.coordinator.id]
+    standbys = [node for stage in stages for node in stage.node_ids[1:]]
+    firsts = [stage.node_ids[0] for stage in stages]
+    if coordinator_first:
+        return [*coordinator, *standbys, *firsts]
+    return [*standbys, *coordinator, *firsts]
 
 
 def release_warnings(plant: Plant, view: ClusterView) -> list[str]:
@@ -155,14 +161,17 @@ def release_warnings(plant: Plant, view: ClusterView) -> list[str]:
         frame_versions.setdefault(speaks, []).append(agent)
     if len(releases) < 2:
         return []
-    newest = max(releases, key=_release_key)
-    order = [a for a in upgrade_order(plant) if a in view.statuses]
+    newest = max(releases, key=versions.release_key)
+    coordinator = view.statuses.get(plant.coordinator.id)
+    order = [a for a in upgrade_order(plant, coordinator_first=coordinator is not None
+                                      and coordinator.frame_version is None)
+             if a in view.statuses]
     older = [a for a in order if view.statuses[a].version != newest]
     others = sorted(a for a in view.statuses if a not in order
                     and view.statuses[a].version != newest)
     runs = "; ".join(f"{release} on {', '.join(sorted(agents))}"
                      for release, agents in sorted(releases.items(),
-                                                   key=lambda kv: _release_key(kv[0])))
+                                                   key=lambda kv: versions.release_key(kv[0])))
     lines = [f"the plant runs mixed edgebus releases ({runs}): upgrade "
              f"{', '.join([*older, *others])} to {newest}, in that order (docs/upgrades.md)"]
     if len(frame_versions) > 1:
@@ -172,11 +181,6 @@ def release_warnings(plant: Plant, view: ClusterView) -> list[str]:
                      "routes requests only through stage nodes of its own, and the others "
                      "refuse frames of another")
     return lines
-
-
-def _release_key(release: str) -> tuple[int, ...]:
-    """A release's numbers, to find the newest ("0.10.0" after "0.9.1")."""
-    return tuple(int(n) for n in re.findall(r"\d+", release))
 
 
 def certificates(plant: Plant) -> list[dict[str, Any]]:

@@ -24,8 +24,8 @@ from pipeline import ask_all, plant_for, running
 
 from edgebus.core import versions
 from edgebus.core.client import BusClient
-from edgebus.core.frames import VERSION
 from edgebus.core.endpoint import BrokerEndpoint
+from edgebus.core.frames import VERSION
 from edgebus.core.messages import AgentStatus, GenerateRequest
 from edgebus.core.topics import Topics
 from edgebus.status_view import ClusterView

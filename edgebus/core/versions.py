@@ -18,6 +18,8 @@ install's metadata keeps the number it was installed with).
 
 from __future__ import annotations
 
+import re
+
 EDGEBUS = "0.2.0"
 
 # The frame version an agent speaks whose status does not say: edgebus 0.1.0 said only its
@@ -38,3 +40,8 @@ def frame_sender(version: int, own: int) -> str:
     if version > own:
         return f"an edgebus newer than {EDGEBUS}"
     return "no edgebus release"
+
+
+def release_key(release: str) -> tuple[int, ...]:
+    """A release's numbers, to find the newest ("0.10.0" after "0.9.1")."""
+    return tuple(int(n) for n in re.findall(r"\d+", release))

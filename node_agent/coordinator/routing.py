@@ -83,9 +83,17 @@ class Routes:
                 raise RequestError("busy", f"the KV budget of every node of stage "
                                    f"{stage.index} is taken by requests in flight: retry later")
 
-    def _pick(self, gen: Generation) -> tuple[int, ...] | str:
-        """The least loaded live route with KV room for `gen`, or why there is none."""
-        route: list[int] = []
+    def _pick(self, gen: Generation) -> tuple[tuple[int, ...], str | None] | str:
+        """The least loaded live route with KV room for `gen`, and the one edgebus release
+        its nodes run (None: they run several, no release having a node with room at every
+        stage), or why there is no route.
+
+        Releases may compute differently (0.2.0's llama.cpp stages use flash attention,
+        0.1.0's did not), so a route that mixes them answers what no plant of one release
+        does. Preferred: the release the request ran on before (a replay), then this
+        coordinator's, then the newest; old nodes then drain as their requests end.
+        """
+        room: list[list[int]] = []
         for stage in self.pipeline:
             alive = [r for r, n in enumerate(stage.node_ids) if self.health[n].alive]
             if not alive:
@@ -96,12 +104,29 @@ class Routes:
                     if self.health[stage.node_ids[r]].frame_version == frames.VERSION]
             if not live:
                 return self._no_common_version(stage, alive)
-            room = [r for r in live if self.health[node := stage.node_ids[r]].held
+            fits = [r for r in live if self.health[node := stage.node_ids[r]].held
                     + self.kv[node].need(gen.max_len) <= self.kv[node].budget]
-            if not room:
+            if not fits:
                 return (f"the live nodes of stage {stage.index} have no KV budget left: "
                         "retry later, or raise their kv_budget_mb")
-            route.append(min(room, key=lambda r: self.health[stage.node_ids[r]].held))
+            room.append(fits)
+        releases = {self.health[stage.node_ids[r]].release
+                    for stage, fits in zip(self.pipeline, room, strict=True) for r in fits}
+        preferred = [gen.release, versions.EDGEBUS,
+                     *sorted(releases, key=versions.release_key, reverse=True)]
+        for release in dict.fromkeys(r for r in preferred if r in releases):
+            chain = [[r for r in fits if self.health[stage.node_ids[r]].release == release]
+                     for stage, fits in zip(self.pipeline, room, strict=True)]
+            if all(chain):
+                return self._least_held(chain), release
+        return self._least_held(room), None
+
+    def _least_held(self, choices: list[list[int]]) -> tuple[int, ...]:
+        """Of each stage's `choices`, the node with the least KV reserved."""
+        route = []
+        for stage, fits in zip(self.pipeline, choices, strict=True):
+            held = {r: self.health[stage.node_ids[r]].held for r in fits}
+            route.append(min(fits, key=held.__getitem__))
         return tuple(route)
 
     def _no_common_version(self, stage: PipelineStage, alive: list[int]) -> str:
@@ -118,16 +143,31 @@ class Routes:
         replay = gen.lost
         self.unroute(gen)
         deadline = time.monotonic() + self.liveness.stage_wait_s
-        while isinstance(route := self._pick(gen), str):
+        while isinstance(picked := self._pick(gen), str):
             changed = self._changed
             try:
                 async with asyncio.timeout(deadline - time.monotonic()):
                     await changed.wait()
             except TimeoutError:
                 raise RequestError("unavailable", f"waited {self.liveness.stage_wait_s:.0f} s: "
-                                   f"{route}") from None
+                                   f"{picked}") from None
+        route, release = picked
         gen.route, gen.epoch, gen.synced, gen.lost = route, gen.epoch + 1, 0, None
         gen.nodes = [stage.nodes[r].node for stage, r in zip(self.pipeline, route, strict=True)]
+        if release is None:
+            self._counters["mixed_routes"] += 1
+            runs = ", ".join(f"{n} ({self.health[n].release})" for n in gen.nodes)
+            self._reporter.report("warning", f"request {gen.request.id} runs on {runs}:"
+                                  " no edgebus release has a node with room at every stage, and "
+                                  "releases may compute differently, so its answer may differ "
+                                  "token for token from one release's. Finish the upgrade "
+                                  "(docs/upgrades.md)", gen.request.id)
+        elif gen.release is not None and release != gen.release:
+            self._reporter.report("warning", f"request {gen.request.id} ran on edgebus "
+                                  f"{gen.release} and is replayed on {release}, which may "
+                                  "compute differently: its tokens from here on may differ "
+                                  "from one release's answer", gen.request.id)
+        gen.release = release
         for node_id in gen.nodes:
             self.health[node_id].held += self.kv[node_id].need(gen.max_len)
         if replay is not None:
