@@ -34,6 +34,7 @@ from edgebus.core import frames, versions
 from edgebus.core.client import BusClient
 from edgebus.core.frames import Header, Kind
 from edgebus.core.messages import AgentStatus, Event, GenerateRequest
+from edgebus.core.paths import GGUF_FILE
 from edgebus.core.statuses import StatusReader
 from edgebus.status_view import ClusterView, report, table, upgrade_order
 from node_agent.coordinator.agent import Coordinator
@@ -41,6 +42,7 @@ from node_agent.coordinator.delivery import ReplyRoute
 from node_agent.coordinator.generation import Generation
 from node_agent.coordinator.routing import Routes
 from node_agent.engines import KvReservation, context_shape, load_engine
+from node_agent.engines.llamacpp import stage_gguf
 from node_agent.groups import Outbox
 from node_agent.model_config import is_gguf
 from node_agent.reporter import Reporter
@@ -339,3 +341,24 @@ async def test_a_route_runs_on_one_release_where_one_has_room_at_every_stage(
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
+
+
+def test_a_stage_file_of_another_cut_format_is_never_loaded_and_stays_for_a_rollback(
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """Stage files are each box's own, cut from the model's GGUF at first start and named by
+    the cut format (and llama-cpp-python's version) that made them: a release of another cut
+    format beside them in the cache cuts its own and leaves theirs for a rollback."""
+    version = "0.3.36"
+    name = stage_gguf.stage_file(tiny_llama_gguf / GGUF_FILE, 0, 3, library_version=version,
+                                 cache=tmp_path / "probe").name
+    assert name.endswith(f".llama-cpp-{version}.v{stage_gguf.CUT_FORMAT}.gguf")
+    cache = tmp_path / "stages"
+    cache.mkdir()
+    others = {cache / name.replace(f".v{stage_gguf.CUT_FORMAT}.", f".v{cut}."): f"cut {cut}"
+              for cut in (stage_gguf.CUT_FORMAT - 1, stage_gguf.CUT_FORMAT + 1)}
+    for path, text in others.items():
+        path.write_text(text)
+    cut = stage_gguf.stage_file(tiny_llama_gguf / GGUF_FILE, 0, 3, library_version=version,
+                                cache=cache)
+    assert cut.name == name and cut.read_bytes()[:4] == b"GGUF"
+    assert {path: path.read_text() for path in others} == others

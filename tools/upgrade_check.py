@@ -1,6 +1,7 @@
 """Upgrade a running plant box by box, from a wheel of an earlier edgebus to this checkout's.
 
-    python tools/upgrade_check.py [--from COMMIT] [--gateways N] [--tokens N] [--keep DIR]
+    python tools/upgrade_check.py [--from COMMIT] [--rollback] [--gateways N] [--tokens N]
+                                  [--keep DIR]
 
 1. Builds two wheels with `pip wheel --no-deps`: COMMIT's (`git archive`, default fe58f49,
    the start of the session before the one that wrote this) and this checkout's, its files
@@ -20,12 +21,15 @@
    tools/whole_answer.py): releases may configure llama.cpp differently.
 5. One agent at a time, in the order docs/upgrades.md gives (`edgebus status`'s
    upgrade_order: each stage's standbys, the coordinator, then each stage's first node; the
-   coordinator first where the old one is edgebus 0.1.0's): a stage node is first given up
-   to DRAIN_S to finish its requests, then SIGTERM (what `systemctl stop` sends), the
+   coordinator first where the old one is edgebus 0.1.0's): a stage's first node is first
+   given up to DRAIN_S to finish its requests (a standby's are replayed on a node of its
+   own release), then SIGTERM (what `systemctl stop` sends), the
    process's end, a start from the new wheel, its status online with the new release, and
    an answer to every gateway since, before the next box. Halfway, `edgebus status` of the
    new release shows the mixed plant.
-6. Prints every step with its time, `edgebus status` at the mixed point, the coordinator's
+6. With --rollback, back to the earlier release the same way (the coordinator last where
+   that release is 0.1.0: its coordinator mixes releases on a route).
+7. Prints every step with its time, `edgebus status` at the mixed point, the coordinator's
    counters, and per phase the answers token-exact against each release, against neither,
    and the refusals (with why).
 
@@ -76,7 +80,7 @@ STOP_S = 30.0
 SETTLE_S = 300.0
 # How long a stage node may take to finish its requests before it is stopped anyway (they
 # are then replayed): a few answers' time.
-DRAIN_S = 60.0
+DRAIN_S = 30.0
 
 
 def run(command: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
@@ -137,7 +141,7 @@ class Phase:
     each release's whole answer, answers exact against none, refusals."""
 
     name: str
-    exact: dict[str, int] = field(default_factory=dict)  # by release (one answer may be both)
+    exact: dict[str, int] = field(default_factory=dict)  # by the releases it is exact against
     answered: int = 0  # token-exact against either release's whole answer
     differing: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
@@ -193,16 +197,23 @@ class Boxes:
                         subscriptions=[(topics.status_filter, 1)])
         await bus.run(on_message)
 
-    async def drained(self, agent: str) -> int:
-        """Requests stage node `agent` holds, once none or after DRAIN_S: the coordinator
-        sends new ones to nodes of its own release, so an old node drains as they end."""
+    async def drained(self, agent: str) -> bool:
+        """Whether stage node `agent` computes nothing any more, within DRAIN_S: a status
+        newer than this call with no row computed since the one before (rows_per_s 0, which
+        `edgebus status` shows as TOK/S). The coordinator sends new requests to nodes of its
+        own release, so an old node drains as its requests end. Its count of requests held
+        (IN FLIGHT) is no sign: caches of requests a stopped coordinator never released stay
+        until the node evicts them."""
+        since = time.time()
         deadline = time.monotonic() + DRAIN_S
-        while True:
-            metrics = self.statuses.get(agent, {}).get("metrics", {})
-            held = int(metrics.get("requests", 0)) if isinstance(metrics, dict) else 0
-            if held == 0 or time.monotonic() > deadline:
-                return held
+        while time.monotonic() < deadline:
+            status = self.statuses.get(agent, {})
+            metrics = status.get("metrics", {})
+            if (isinstance(metrics, dict) and float(str(status.get("ts", 0))) > since
+                    and metrics.get("rows_per_s") == 0):
+                return True
             await asyncio.sleep(0.1)
+        return False
 
     async def online(self, agent: str, version: str) -> None:
         """Return once `agent`'s status says online, in release `version`."""
@@ -247,8 +258,8 @@ class Gateways:
             elif matches := [r for r, answers in self.references.items()
                              if answers[prompt] == response.tokens]:
                 phase.answered += 1
-                for release in matches:
-                    phase.exact[release] = phase.exact.get(release, 0) + 1
+                both = " and ".join(matches)  # releases whose whole answers are the same
+                phase.exact[both] = phase.exact.get(both, 0) + 1
             else:
                 phase.differing.append(f"{request.id} ({prompt!r}): {response.tokens}")
             self.answered += 1
@@ -261,6 +272,32 @@ class Gateways:
             if time.monotonic() > deadline:
                 sys.exit(f"no answers for {SETTLE_S:.0f} s: the plant stopped answering")
             await asyncio.sleep(0.1)
+
+
+async def move(boxes: Boxes, gateways: Gateways, order: list[str], source: Release,
+               target: Release, started: float) -> None:
+    """Take every agent from release `source` to `target`, one at a time in `order`."""
+    firsts = {stage.node_ids[0] for stage in boxes.plant.pipeline}
+    for index, agent in enumerate(order):
+        if agent in firsts:
+            # Moved last, once the coordinator sends new requests to the target release's
+            # nodes: its own requests end on it, not in a replay on another release.
+            say(started, f"{agent} drained" if await boxes.drained(agent) else
+                f"{agent} still computes after {DRAIN_S:.0f} s: its requests are replayed")
+        code = boxes.stop(agent)
+        say(started, f"stopped {agent} ({source.version}, exit {code}); starting it as "
+                     f"{target.version}")
+        gateways.begin(f"{index + 1} of {len(order)} on {target.version} ({agent} restarting)")
+        boxes.start(agent, target)
+        await boxes.online(agent, target.version)
+        say(started, f"{agent} online as {target.version}")
+        await gateways.each_answered()
+        if index == len(order) // 2:
+            shown = subprocess.run(target.command("status", str(boxes.path)),
+                                   env=target.env(boxes.home), capture_output=True, text=True,
+                                   check=False)
+            print(f"$ edgebus status plant.yaml   # edgebus {target.version}'s, halfway\n"
+                  f"{shown.stdout}{shown.stderr}", flush=True)
 
 
 def say(started: float, text: str) -> None:
@@ -319,33 +356,24 @@ async def check(args: argparse.Namespace, work: Path) -> bool:
                 await boxes.online(agent, old.version)
             # edgebus 0.1.0's coordinator says no frame version, and mixes releases on a
             # route: the new one goes first (docs/upgrades.md).
-            order = upgrade_order(plant, coordinator_first="frame_version" not in
-                                  boxes.statuses[plant.coordinator.id])
-            say(started, f"every agent online as edgebus {old.version}: {', '.join(order)}")
+            legacy = "frame_version" not in boxes.statuses[plant.coordinator.id]
+            order = upgrade_order(plant, coordinator_first=legacy)
+            say(started, f"every agent online as edgebus {old.version}")
             gateways.begin(f"all on {old.version}")
             asking = asyncio.create_task(gateways.run())
             await gateways.each_answered()
-            for index, agent in enumerate(order):
-                if agent != plant.coordinator.id:
-                    held = await boxes.drained(agent)
-                    say(started, f"{agent} holds {held} requests" + (
-                        " (drained)" if held == 0 else f" after {DRAIN_S:.0f} s: replayed"))
-                code = boxes.stop(agent)
-                say(started, f"stopped {agent} ({old.version}, exit {code}); starting it as "
-                             f"{new.version}")
-                gateways.begin(f"{index + 1} of {len(order)} upgraded ({agent} restarting)")
-                boxes.start(agent, new)
-                await boxes.online(agent, new.version)
-                say(started, f"{agent} online as {new.version}")
-                await gateways.each_answered()
-                if index == len(order) // 2:
-                    shown = subprocess.run(new.command("status", str(path)), env=new.env(home),
-                                           capture_output=True, text=True, check=False)
-                    print(f"$ edgebus status plant.yaml   # (edgebus {new.version}, plant "
-                          f"half upgraded)\n{shown.stdout}{shown.stderr}", flush=True)
+            await move(boxes, gateways, order, old, new, started)
             gateways.begin(f"all on {new.version}")
             await gateways.each_answered()
             await gateways.each_answered()
+            if args.rollback:
+                # Back the same way; to 0.1.0, whose coordinator mixes releases, it goes last.
+                back = upgrade_order(plant)
+                if legacy:
+                    back = [a for a in back if a != plant.coordinator.id] + [plant.coordinator.id]
+                await move(boxes, gateways, back, new, old, started)
+                gateways.begin(f"all back on {old.version}")
+                await gateways.each_answered()
             asking.cancel()
             await asyncio.gather(asking, return_exceptions=True)
         finally:
@@ -355,7 +383,7 @@ async def check(args: argparse.Namespace, work: Path) -> bool:
     print("\n".join(phase.line() for phase in gateways.phases))
     metrics = boxes.statuses.get(plant.coordinator.id, {}).get("metrics", {})
     if isinstance(metrics, dict):
-        print("coordinator (since its upgrade): " + ", ".join(
+        print("coordinator (since its last start): " + ", ".join(
             f"{name} {metrics.get(name, 0):.0f}" for name in
             ("requests_done", "failovers", "recoveries", "mixed_routes", "foreign_frames")))
     for phase in gateways.phases:
@@ -375,6 +403,8 @@ def main() -> None:
                         help=f"the earlier commit to upgrade from (default {DEFAULT_FROM})")
     parser.add_argument("--gateways", type=int, default=2, help="gateways asking at once")
     parser.add_argument("--tokens", type=int, default=24, help="tokens of each answer")
+    parser.add_argument("--rollback", action="store_true",
+                        help="then take the plant back to the earlier release, box by box")
     parser.add_argument("--keep", type=Path, help="work here and keep it (logs, plant)")
     args = parser.parse_args()
     if shutil.which("mosquitto") is None:
