@@ -129,6 +129,8 @@ class Release:
     version: str = ""
 
     def command(self, *args: str) -> list[str]:
+        """`edgebus ARGS` of this release: run it outside any checkout, whose edgebus/
+        `python -m` would find first."""
         return [sys.executable, "-m", "edgebus", *args]
 
     def env(self, home: Path) -> dict[str, str]:
@@ -294,8 +296,8 @@ async def move(boxes: Boxes, gateways: Gateways, order: list[str], source: Relea
         await gateways.each_answered()
         if index == len(order) // 2:
             shown = subprocess.run(target.command("status", str(boxes.path)),
-                                   env=target.env(boxes.home), capture_output=True, text=True,
-                                   check=False)
+                                   env=target.env(boxes.home), cwd=boxes.path.parent,
+                                   capture_output=True, text=True, check=False)
             print(f"$ edgebus status plant.yaml   # edgebus {target.version}'s, halfway\n"
                   f"{shown.stdout}{shown.stderr}", flush=True)
 
@@ -323,7 +325,7 @@ async def check(args: argparse.Namespace, work: Path) -> bool:
     for folder in (plant_dir, home, logs):
         folder.mkdir()
     path = plant_dir / "plant.yaml"
-    model = run(old.command("model", "bundled"), env=old.env(home)).strip()
+    model = run(old.command("model", "bundled"), env=old.env(home), cwd=plant_dir).strip()
     run(old.command("init", str(path), "--model", model, "--stages", "2", "--replicas", "2",
                     "--broker", f"mqtt://127.0.0.1:{port}"), env=old.env(home), cwd=plant_dir)
     run(old.command("broker", "mosquitto-config", str(path), str(plant_dir / "mosquitto")),
