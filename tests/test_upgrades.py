@@ -18,6 +18,8 @@ import asyncio
 import os
 import socket
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -362,3 +364,10 @@ def test_a_stage_file_of_another_cut_format_is_never_loaded_and_stays_for_a_roll
                                 cache=cache)
     assert cut.name == name and cut.read_bytes()[:4] == b"GGUF"
     assert {path: path.read_text() for path in others} == others
+
+
+def test_edgebus_version_says_the_release_and_the_frame_version() -> None:
+    """What a box runs, asked before and after its upgrade."""
+    said = subprocess.run([sys.executable, "-m", "edgebus", "--version"], capture_output=True,
+                          text=True, check=True).stdout
+    assert said == f"edgebus {versions.EDGEBUS}, frame version {frames.VERSION}\n"
