@@ -217,6 +217,17 @@ class Boxes:
             await asyncio.sleep(0.1)
         return False
 
+    def coordinator_counters(self) -> str:
+        """What the coordinator counted since it last started: requests, replays, routes
+        over several releases, refused frames (those its release counts)."""
+        coordinator = self.plant.coordinator.id
+        metrics = self.statuses.get(coordinator, {}).get("metrics", {})
+        assert isinstance(metrics, dict)
+        counted = ", ".join(f"{name} {metrics[name]:.0f}" for name in (
+            "requests_done", "failovers", "recoveries", "mixed_routes", "foreign_frames")
+            if name in metrics)
+        return f"{coordinator} ({self.statuses[coordinator].get('version')}) counted {counted}"
+
     async def online(self, agent: str, version: str) -> None:
         """Return once `agent`'s status says online, in release `version`."""
         deadline = time.monotonic() + START_S
@@ -286,6 +297,8 @@ async def move(boxes: Boxes, gateways: Gateways, order: list[str], source: Relea
             # nodes: its own requests end on it, not in a replay on another release.
             say(started, f"{agent} drained" if await boxes.drained(agent) else
                 f"{agent} still computes after {DRAIN_S:.0f} s: its requests are replayed")
+        if agent == boxes.plant.coordinator.id:
+            say(started, boxes.coordinator_counters())
         code = boxes.stop(agent)
         say(started, f"stopped {agent} ({source.version}, exit {code}); starting it as "
                      f"{target.version}")
@@ -368,6 +381,7 @@ async def check(args: argparse.Namespace, work: Path) -> bool:
             gateways.begin(f"all on {new.version}")
             await gateways.each_answered()
             await gateways.each_answered()
+            say(started, boxes.coordinator_counters())
             if args.rollback:
                 # Back the same way; to 0.1.0, whose coordinator mixes releases, it goes last.
                 back = upgrade_order(plant)
@@ -383,11 +397,6 @@ async def check(args: argparse.Namespace, work: Path) -> bool:
             await asyncio.gather(watcher, return_exceptions=True)
             boxes.stop_all()
     print("\n".join(phase.line() for phase in gateways.phases))
-    metrics = boxes.statuses.get(plant.coordinator.id, {}).get("metrics", {})
-    if isinstance(metrics, dict):
-        print("coordinator (since its last start): " + ", ".join(
-            f"{name} {metrics.get(name, 0):.0f}" for name in
-            ("requests_done", "failovers", "recoveries", "mixed_routes", "foreign_frames")))
     for phase in gateways.phases:
         for line in [*phase.differing, *phase.refused]:
             print(f"  {phase.name}: {line}")
