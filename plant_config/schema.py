@@ -24,6 +24,7 @@ from pydantic import (
 
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.errors import PlantConfigError
+from edgebus.core.frames import MAX_DECODE_POSITIONS
 from edgebus.core.topics import Topics, check_level
 from plant_config.broker_section import BrokerSettings, Security
 from plant_config.credentials import read_password
@@ -193,6 +194,11 @@ class Speculation(_Section):
     # 250 bytes each: the default holds ~8 MiB, the n-grams of some 11000 tokens of text,
     # tens of recent requests; the most allowed ~250 MiB.
     answer_cache: int = Field(default=32768, ge=0, le=1_000_000)
+    # Positions a decode frame carries, the token's and drafts: unset, chosen per frame
+    # from the stages' measured cost of k positions in one call and the drafts taken lately
+    # (node_agent/speculation.py); set, that many wherever the window and the stages'
+    # `exact_rows` allow, for a plant whose boxes were benchmarked (docs/benchmarks.md).
+    positions_per_frame: int | None = Field(default=None, ge=1, le=MAX_DECODE_POSITIONS)
 
     @model_validator(mode="after")
     def _ngrams_in_order(self) -> Speculation:

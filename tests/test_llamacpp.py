@@ -475,7 +475,11 @@ def test_a_frame_of_several_positions_computes_what_one_position_calls_do(
                     (1, positions, engine.config.hidden_size)).astype(np.float32)
             rows = engine.exact_rows
             assert 1 <= rows <= MAX_DECODE_POSITIONS
-            assert engine.describe()["exact_rows"] == rows
+            described = engine.describe()
+            assert described["exact_rows"] == rows
+            # What the coordinator weighs drafts against: a cost for every count verified.
+            costs = [1.0, *(described[f"row_cost_{k}"] for k in range(2, rows + 1))]
+            assert costs == sorted(costs) and f"row_cost_{rows + 1}" not in described, costs
             for count in sorted({2, rows, MAX_DECODE_POSITIONS}):
                 assert np.array_equal(_after_two(engine, x, count, "verify"),
                                       _after_two(engine, x, count, "one by one")), count

@@ -38,8 +38,9 @@ class NodeHealth:
     seen: float = 0.0  # time.monotonic() of its last sign of life
     session: tuple[str, int, int] | None = None  # (host, pid, bdseq) of its MQTT session
     held: int = 0  # KV bytes reserved by requests routed through it
-    # Positions of one request it verifies in one call (its engine's, in its status).
-    exact_rows: int = 1
+    # What 1, 2, ... positions of one request cost it in one call against one position's,
+    # as many as it verifies in one call (its engine's `exact_rows` and `row_cost_k`).
+    row_costs: tuple[float, ...] = (1.0,)
     release: str = "?"  # its edgebus release, and the frame version it speaks
     frame_version: int = versions.UNSAID_FRAME_VERSION
 
@@ -176,9 +177,12 @@ class Routes:
                                   f"request {gen.request.id} on {', '.join(gen.nodes)} "
                                   f"({replay})", gen.request.id)
 
-    def exact_rows(self, gen: Generation) -> int:
-        """Positions of one request every node of `gen`'s route verifies in one call."""
-        return min((self.health[node].exact_rows for node in gen.nodes), default=1)
+    def row_costs(self, gen: Generation) -> tuple[float, ...]:
+        """What 1, 2, ... positions of one request in one call cost against one position,
+        as many as every node of `gen`'s route verifies in one call: at each count, the
+        dearest node's (the step a frame waits for)."""
+        costs = [self.health[node].row_costs for node in gen.nodes] or [(1.0,)]
+        return tuple(max(c[k] for c in costs) for k in range(min(len(c) for c in costs)))
 
     def unroute(self, gen: Generation) -> None:
         """Give back `gen`'s KV reservations and let its route's nodes free the caches."""
@@ -214,10 +218,9 @@ class Routes:
             # sent to it meanwhile are gone; a new process has no caches at all.
             self._fail_over(node_id, "reconnected")
         node.session = session
-        rows = (status.engine or {}).get("exact_rows", 1)
         # What it says bounds only the frames sent to it: a stage verifies exactly whatever
         # it is sent (stage.py), so a status that says too much costs speed, never a token.
-        node.exact_rows = rows if isinstance(rows, int) and rows >= 1 else 1
+        node.row_costs = _row_costs(status.engine or {})
         node.release = status.version
         speaks = (versions.UNSAID_FRAME_VERSION if status.frame_version is None
                   else status.frame_version)
@@ -260,3 +263,16 @@ class Routes:
         for gen in self._active.values():
             if node_id in gen.nodes:
                 gen.lose(f"node {node_id} {why}")
+
+
+def _row_costs(engine: dict[str, str | int | float]) -> tuple[float, ...]:
+    """A stage's `row_costs` from its status's engine: 1 position, then `row_cost_k` for
+    k = 2 to its `exact_rows` while they are numbers of at least the one before."""
+    rows = engine.get("exact_rows", 1)
+    costs = [1.0]
+    for k in range(2, rows + 1 if isinstance(rows, int) else 2):
+        cost = engine.get(f"row_cost_{k}")
+        if not isinstance(cost, int | float) or cost < costs[-1]:
+            break
+        costs.append(float(cost))
+    return tuple(costs)

@@ -284,7 +284,7 @@ class TokenLoop:
         if gen.synced and len(todo) == 1:  # a decode step
             if gen.drafts is not None and (gen.drafts.ahead or self._drafting.may_draft()):
                 self._drafting.feed(gen, gen.drafts, first, candidates,
-                                    exact_rows=self._routes.exact_rows(gen))
+                                    row_costs=self._routes.row_costs(gen))
                 return
             gen.step, gen.row = gen.new_step(), 0
             self._outbox.step(gen.seq, first, frames.encode(
