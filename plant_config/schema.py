@@ -127,6 +127,36 @@ class StageSpec(_Section):
         return self
 
 
+# Above this a "MB/s" is not one: the fastest PCIe 5 NVMe drives read at ~14,000 MB/s, so
+# a larger figure is bytes/s or KB/s written into a field counted in MB/s.
+MAX_DISK_MB_S = 20_000
+
+
+class DiskSpec(_Section):
+    """A box's storage as its agent reads and writes a model: sequential MB/s (10^6 bytes a
+    second, as cards and drives are rated), measured on the box (docs/plant-file.md)."""
+
+    read_mb_s: PositiveFloat
+    write_mb_s: PositiveFloat
+
+    @field_validator("read_mb_s", "write_mb_s")
+    @classmethod
+    def _check_rate(cls, rate: float) -> float:
+        if rate > MAX_DISK_MB_S:
+            raise ValueError(f"{rate:g} MB/s is faster than any drive (the fastest NVMe read "
+                             f"~14,000): the rate is in MB/s — a Raspberry Pi's SD card reads "
+                             "at 50-90, writes at 20-60")
+        return rate
+
+    def read_s(self, n_bytes: int) -> float:
+        """Seconds to read `n_bytes` at this rate."""
+        return n_bytes / (self.read_mb_s * 1e6)
+
+    def write_s(self, n_bytes: int) -> float:
+        """Seconds to write `n_bytes` at this rate."""
+        return n_bytes / (self.write_mb_s * 1e6)
+
+
 class BoxSpec(_Section):
     """One box of the plant as `edgebus plan` sees it; `name` is the node id of its stage.
 
@@ -145,6 +175,10 @@ class BoxSpec(_Section):
     # The box's network link in Mbit/s, for `edgebus rehearse` (docs/rehearse.md);
     # None: as fast as the machine it is rehearsed on.
     link_mbit: PositiveFloat | None = None
+    # The box's storage, which sets how long a first start reads and writes: `edgebus plan`
+    # estimates it and `edgebus rehearse` holds the box's disk to it; None: unknown (plan
+    # states no estimate) and, rehearsed, as fast as the machine's disk.
+    disk: DiskSpec | None = None
 
     @field_validator("name")
     @classmethod
