@@ -304,12 +304,13 @@ async def test_a_route_runs_on_one_release_where_one_has_room_at_every_stage(
         tiny_llama_gguf: Path, amqtt_broker: AmqttBroker) -> None:
     """Releases may compute differently (0.2.0's llama.cpp stages use flash attention), so
     the coordinator keeps a route on one release: a replay's first, then its own, then the
-    newest; it mixes them only where no release has a node at every stage."""
+    newest; a replay that must move to another release starts again from its prompt; it
+    mixes releases only where no release has a node at every stage."""
     plant = plant_of_replicas(tiny_llama_gguf, amqtt_broker)
     bus = BusClient(plant.broker.endpoint(), f"{plant.plant_id}.routes")
     runner = asyncio.create_task(bus.run(lambda _: None))
     await bus.wait_connected()
-    counters = {"failovers": 0.0, "mixed_routes": 0.0}
+    counters = {"failovers": 0.0, "mixed_routes": 0.0, "restarts": 0.0}
     nodes = [spec.node for spec in plant.stages]
     routes = Routes(plant.pipeline, {n: KvReservation(0, 1, 8) for n in nodes}, plant.liveness,
                     active={}, outbox=Outbox(1, lambda *_: None, lambda _: False, max_frames=1),
@@ -321,25 +322,39 @@ async def test_a_route_runs_on_one_release_where_one_has_room_at_every_stage(
             routes.on_status(node, status_of(node, "stage", release, frames.VERSION),
                              retained=False)
 
-    async def routed(release: str | None = None) -> list[str]:
-        gen = Generation(GenerateRequest(id="r", prompt="x"), ReplyRoute("t"), [1], 2, 1,
-                         release=release)
+    async def routed(release: str | None = None, *, stream: bool = False) -> Generation:
+        """A request that generated two tokens on `release` (None: a new one), routed."""
+        gen = Generation(GenerateRequest(id="r", prompt="x", stream=stream), ReplyRoute("t"),
+                         [1, 5, 6], 4, 1, release=release)
         await routes.route(gen)
-        nodes = list(gen.nodes)
+        nodes = gen.nodes
         routes.unroute(gen)  # its KV booking back: each route is picked from the same load
-        return nodes
+        gen.nodes = nodes
+        return gen
 
     try:
         old = "0.1.0"
         running({"stage-0-a": old, "stage-0-b": versions.EDGEBUS, "stage-1-a": old,
                  "stage-1-b": old})
-        assert await routed() == ["stage-0-a", "stage-1-a"]  # only 0.1.0 spans both stages
+        only_old = await routed()
+        assert only_old.nodes == ["stage-0-a", "stage-1-a"]  # only 0.1.0 spans both stages
+        assert only_old.history == [1, 5, 6] and only_old.restarts == 0
         running({"stage-1-b": versions.EDGEBUS})
-        assert await routed() == ["stage-0-b", "stage-1-b"]  # the coordinator's own
-        assert await routed(old) == ["stage-0-a", "stage-1-a"]  # a replay stays on its own
+        assert (await routed()).nodes == ["stage-0-b", "stage-1-b"]  # the coordinator's own
+        assert (await routed(old)).nodes == ["stage-0-a", "stage-1-a"]  # a replay stays
         assert counters["mixed_routes"] == 0
+
+        # The old release's last node of stage 0 goes: a replay moves to the new release,
+        # and starts again from its prompt; one that streamed goes on from where it was.
+        running({"stage-0-a": versions.EDGEBUS})
+        moved = await routed(old)
+        assert moved.nodes == ["stage-0-a", "stage-1-b"] and moved.release == versions.EDGEBUS
+        assert moved.history == [1] and moved.restarts == 1
+        streamed = await routed(old, stream=True)
+        assert streamed.history == [1, 5, 6] and streamed.restarts == 0
+
         running({"stage-0-a": "0.3.0", "stage-1-b": "0.3.1"})
-        assert len(set(await routed())) == 2 and counters["mixed_routes"] == 1
+        assert len(set((await routed()).nodes)) == 2 and counters["mixed_routes"] == 1
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)

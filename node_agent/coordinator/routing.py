@@ -164,10 +164,7 @@ class Routes:
                                   "token for token from one release's. Finish the upgrade "
                                   "(docs/upgrades.md)", gen.request.id)
         elif gen.release is not None and release != gen.release:
-            self._reporter.report("warning", f"request {gen.request.id} ran on edgebus "
-                                  f"{gen.release} and is replayed on {release}, which may "
-                                  "compute differently: its tokens from here on may differ "
-                                  "from one release's answer", gen.request.id)
+            self._switch_release(gen, release)
         gen.release = release
         for node_id in gen.nodes:
             self.health[node_id].held += self.kv[node_id].need(gen.max_len)
@@ -176,6 +173,22 @@ class Routes:
             self._reporter.report("warning", f"replaying {len(gen.history)} positions of "
                                   f"request {gen.request.id} on {', '.join(gen.nodes)} "
                                   f"({replay})", gen.request.id)
+
+    def _switch_release(self, gen: Generation, release: str) -> None:
+        """`gen` ran on one release and is replayed on `release`, which may compute
+        differently: it starts again from its prompt, so its answer is wholly that
+        release's, unless it streamed, whose tokens the gateway has already."""
+        before = f"request {gen.request.id} ran on edgebus {gen.release}"
+        if gen.request.stream:
+            self._reporter.report("warning", f"{before} and is replayed on {release}, which "
+                                  "may compute differently: it streams, so its tokens from "
+                                  "here on are that release's", gen.request.id)
+            return
+        del gen.history[gen.prompt_len:]
+        gen.restarts += 1
+        self._counters["restarts"] += 1
+        self._reporter.report("warning", f"{before} and starts again from its prompt on "
+                              f"{release}, which may compute differently", gen.request.id)
 
     def row_costs(self, gen: Generation) -> tuple[float, ...]:
         """What 1, 2, ... positions of one request in one call cost against one position,

@@ -162,10 +162,16 @@ class TokenLoop:
         tokens: list[int] = []
         ttft: float | None = None
         finish: str = "length"
+        restarts = gen.restarts
         try:
             await admitted()
             while True:
                 result = await self._step(gen, candidates=k)
+                if gen.restarts != restarts:  # replayed onto another release: from its prompt
+                    restarts, tokens, rng = gen.restarts, [], np.random.default_rng(seed)
+                    text = TextStream(self.tokenizer, request.stop) if request.stop else None
+                    if gen.drafts is not None:
+                        gen.drafts = self._drafting.start()
                 cand_ids, cand_logits = result.candidates_arrays()
                 token = sample_token(cand_ids[gen.row], cand_logits[gen.row],
                                      temperature=request.temperature,
