@@ -224,7 +224,8 @@ class Boxes:
         metrics = self.statuses.get(coordinator, {}).get("metrics", {})
         assert isinstance(metrics, dict)
         counted = ", ".join(f"{name} {metrics[name]:.0f}" for name in (
-            "requests_done", "failovers", "recoveries", "mixed_routes", "foreign_frames")
+            "requests_done", "failovers", "recoveries", "mixed_routes", "restarts",
+            "foreign_frames")
             if name in metrics)
         return f"{coordinator} ({self.statuses[coordinator].get('version')}) counted {counted}"
 
