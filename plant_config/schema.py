@@ -25,6 +25,7 @@ from pydantic import (
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.errors import PlantConfigError
 from edgebus.core.frames import MAX_DECODE_POSITIONS
+from edgebus.core.messages import MAX_WAIT_S
 from edgebus.core.topics import Topics, check_level
 from plant_config.broker_section import BrokerSettings, Security
 from plant_config.credentials import read_password
@@ -252,6 +253,18 @@ class CoordinatorSpec(_Section):
     # `busy`. Default: three quarters, so a gateway that floods the plant (a retry loop,
     # an HTTP gateway under load) leaves a quarter for the PLC bridges.
     max_in_flight_per_client: PositiveInt | None = None
+    # Requests that may wait for a slot past max_in_flight (node_agent/coordinator/
+    # waiting_room.py), fair across gateways; past it a request is answered `busy` at once,
+    # with a retry time. 512 holds an alarm storm of 16 PLCs x 25 requests beside a full
+    # plant (docs/benchmarks.md), and bounds the journal a storm leaves on disk and in
+    # memory to 512 requests of at most 256 KiB each; 0: nothing waits (busy at once).
+    max_queue: int = Field(default=512, ge=0, le=100_000)
+    # Seconds a request waits for a slot at most (a request may ask for less, max_wait_s);
+    # past it, `busy` with a retry time. The storm of 16 PLCs x 25 requests of 16 tokens
+    # on the bundled SmolLM2 (3 llama.cpp stages, 2-core Xeon VM at load 9-13) had its
+    # last answer 169-201 s after it began (docs/benchmarks.md): 600 s serves it 3 times
+    # over, and a PLC still waiting for alarm advice after 10 minutes has moved on.
+    max_wait_s: float = Field(default=600.0, ge=0.0, le=MAX_WAIT_S)
     candidates: PositiveInt = 64  # top-k (id, logit) pairs the last stage returns per token
     request_timeout_s: PositiveFloat = 120.0
     # Prompt positions per prefill frame. Other requests' decode steps wait

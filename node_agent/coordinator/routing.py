@@ -70,7 +70,7 @@ class Routes:
         self._counters = counters
 
     def check_fits(self, gen: Generation) -> None:
-        """Refuse a request no route has KV room for: too long for any node, or busy."""
+        """Refuse a request too long for the KV budget of every node of a stage."""
         for stage in self.pipeline:
             needs = [self.kv[n].need(gen.max_len) for n in stage.node_ids]
             if all(need > self.kv[n].budget for n, need in zip(stage.node_ids, needs,
@@ -79,10 +79,25 @@ class Routes:
                                    f"{min(needs) / 2**20:.1f} MiB of KV cache on stage "
                                    f"{stage.index}, more than its nodes' kv_budget_mb: lower "
                                    "max_tokens or the prompt")
-            if all(self.health[n].held + need > self.kv[n].budget
-                   for n, need in zip(stage.node_ids, needs, strict=True)):
-                raise RequestError("busy", f"the KV budget of every node of stage "
-                                   f"{stage.index} is taken by requests in flight: retry later")
+
+    def claim(self, gen: Generation) -> bool:
+        """Route `gen` now if its KV fits on live nodes, holding it; False while the
+        requests in flight hold too much of it (it waits in the waiting room).
+
+        A stage with no live node that speaks this coordinator's frames is no reason to
+        wait there: `gen` starts, and its first step waits for a node (route) and says
+        which is missing.
+        """
+        picked = self._pick(gen)
+        if isinstance(picked, tuple):
+            self._assign(gen, picked)
+            return True
+        return not all(any(self._usable(n) for n in stage.node_ids) for stage in self.pipeline)
+
+    def _usable(self, node_id: str) -> bool:
+        """Whether a route may run through `node_id`: alive, and speaking our frames."""
+        node = self.health[node_id]
+        return node.alive and node.frame_version == frames.VERSION
 
     def _pick(self, gen: Generation) -> tuple[tuple[int, ...], str | None] | str:
         """The least loaded live route with KV room for `gen`, and the one edgebus release
@@ -101,8 +116,7 @@ class Routes:
                 return (f"stage {stage.index} (layers {list(stage.layers)}) has no live node: "
                         f"{', '.join(stage.node_ids)} offline. Start a node of it (`edgebus "
                         "node PLANT --id NODE`) or check its box")
-            live = [r for r in alive
-                    if self.health[stage.node_ids[r]].frame_version == frames.VERSION]
+            live = [r for r in alive if self._usable(stage.node_ids[r])]
             if not live:
                 return self._no_common_version(stage, alive)
             fits = [r for r in live if self.health[node := stage.node_ids[r]].held
@@ -152,9 +166,21 @@ class Routes:
             except TimeoutError:
                 raise RequestError("unavailable", f"waited {self.liveness.stage_wait_s:.0f} s: "
                                    f"{picked}") from None
+        self._assign(gen, picked)
+        if replay is not None:
+            self._counters["failovers"] += 1
+            self._reporter.report("warning", f"replaying {len(gen.history)} positions of "
+                                  f"request {gen.request.id} on {', '.join(gen.nodes)} "
+                                  f"({replay})", gen.request.id)
+
+    def _assign(self, gen: Generation, picked: tuple[tuple[int, ...], str | None]) -> None:
+        """Put `gen` on the route `_pick` chose under a new epoch, its KV held on the route's
+        nodes; say so where the route mixes releases or moves `gen` to another."""
         route, release = picked
         gen.route, gen.epoch, gen.synced, gen.lost = route, gen.epoch + 1, 0, None
         gen.nodes = [stage.nodes[r].node for stage, r in zip(self.pipeline, route, strict=True)]
+        for node_id in gen.nodes:
+            self.health[node_id].held += self.kv[node_id].need(gen.max_len)
         if release is None:
             self._counters["mixed_routes"] += 1
             runs = ", ".join(f"{n} ({self.health[n].release})" for n in gen.nodes)
@@ -166,13 +192,6 @@ class Routes:
         elif gen.release is not None and release != gen.release:
             self._switch_release(gen, release)
         gen.release = release
-        for node_id in gen.nodes:
-            self.health[node_id].held += self.kv[node_id].need(gen.max_len)
-        if replay is not None:
-            self._counters["failovers"] += 1
-            self._reporter.report("warning", f"replaying {len(gen.history)} positions of "
-                                  f"request {gen.request.id} on {', '.join(gen.nodes)} "
-                                  f"({replay})", gen.request.id)
 
     def _switch_release(self, gen: Generation, release: str) -> None:
         """`gen` ran on one release and is replayed on `release`, which may compute

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -151,9 +150,8 @@ class TokenLoop:
     def close(self) -> None:
         self._decoder.shutdown(wait=False, cancel_futures=True)
 
-    async def generate(self, gen: Generation, seed: int, received: float,
-                       admitted: Callable[[], Awaitable[None]]) -> GenerateResponse:
-        """`await admitted()`, then generate `gen`'s answer, its route given back at the end.
+    async def generate(self, gen: Generation, seed: int, received: float) -> GenerateResponse:
+        """Generate `gen`'s answer, its route given back at the end.
         `received`: time.perf_counter() when its request came in."""
         request = gen.request
         rng = np.random.default_rng(seed)
@@ -164,7 +162,6 @@ class TokenLoop:
         finish: str = "length"
         restarts = gen.restarts
         try:
-            await admitted()
             while True:
                 result = await self._step(gen, candidates=k)
                 if gen.restarts != restarts:  # replayed onto another release: from its prompt
