@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
+from edgebus.core import frames, versions
 from edgebus.core.errors import EdgebusError
 from edgebus.intermixed import IntermixedParser
 from plant_config.examples import EXAMPLES
@@ -460,6 +461,9 @@ def _demo(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgebus", description="Pipeline-parallel LLM inference for edge boxes, over MQTT.")
+    # What a box runs, before and after an upgrade (docs/upgrades.md).
+    parser.add_argument("--version", action="version",
+                        version=f"edgebus {versions.EDGEBUS}, frame version {frames.VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=IntermixedParser)
 

@@ -18,6 +18,7 @@ from typing import Any
 import aiomqtt
 from pydantic import ValidationError
 
+from edgebus.core import versions
 from edgebus.core.client import INFLIGHT_WINDOW, UNACKED_WARN_AT, BusClient
 from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import AgentStatus, Plan
@@ -127,7 +128,59 @@ def report(plant: Plant, view: ClusterView, now: float | None = None) -> dict[st
                        "status": None if status is None else status.model_dump()})
     return {"plant_id": plant.plant_id, "topic_root": plant.topic_root,
             "plan": None if view.plan is None else view.plan.model_dump(), "agents": agents,
+            "versions": release_warnings(plant, view),
             "tls": not plant.speaks_plain(), "certificates": certificates(plant)}
+
+
+def upgrade_order(plant: Plant, *, coordinator_first: bool = False) -> list[str]:
+    """The agents in the order docs/upgrades.md upgrades them: each stage's standbys (every
+    node after its first), then the coordinator, then each stage's first node. The
+    coordinator keeps each request on nodes of one release, its own first
+    (node_agent/coordinator/routing.py): while the standbys restart the first nodes serve,
+    and once the coordinator runs the new release it sends new requests to the upgraded
+    standbys, so the first nodes drain. `coordinator_first`: its coordinator runs edgebus
+    0.1.0, which mixed releases on a route; the new one goes first, and then they don't."""
+    stages = plant.pipeline
+    coordinator = [plant.coordinator.id]
+    standbys = [node for stage in stages for node in stage.node_ids[1:]]
+    firsts = [stage.node_ids[0] for stage in stages]
+    if coordinator_first:
+        return [*coordinator, *standbys, *firsts]
+    return [*standbys, *coordinator, *firsts]
+
+
+def release_warnings(plant: Plant, view: ClusterView) -> list[str]:
+    """What a plant of mixed releases or frame versions should be told, from the statuses:
+    which agents still run an older release, in the order to upgrade them."""
+    releases: dict[str, list[str]] = {}
+    frame_versions: dict[int, list[str]] = {}
+    for agent, status in view.statuses.items():
+        releases.setdefault(status.version, []).append(agent)
+        speaks = (versions.UNSAID_FRAME_VERSION if status.frame_version is None
+                  else status.frame_version)
+        frame_versions.setdefault(speaks, []).append(agent)
+    if len(releases) < 2:
+        return []
+    newest = max(releases, key=versions.release_key)
+    coordinator = view.statuses.get(plant.coordinator.id)
+    order = [a for a in upgrade_order(plant, coordinator_first=coordinator is not None
+                                      and coordinator.frame_version is None)
+             if a in view.statuses]
+    older = [a for a in order if view.statuses[a].version != newest]
+    others = sorted(a for a in view.statuses if a not in order
+                    and view.statuses[a].version != newest)
+    runs = "; ".join(f"{release} on {', '.join(sorted(agents))}"
+                     for release, agents in sorted(releases.items(),
+                                                   key=lambda kv: versions.release_key(kv[0])))
+    lines = [f"the plant runs mixed edgebus releases ({runs}): upgrade "
+             f"{', '.join([*older, *others])} to {newest}, in that order (docs/upgrades.md)"]
+    if len(frame_versions) > 1:
+        speak = "; ".join(f"frame version {v}: {', '.join(sorted(agents))}"
+                          for v, agents in sorted(frame_versions.items()))
+        lines.append(f"its agents speak different frame versions ({speak}): the coordinator "
+                     "routes requests only through stage nodes of its own, and the others "
+                     "refuse frames of another")
+    return lines
 
 
 def certificates(plant: Plant) -> list[dict[str, Any]]:
@@ -147,8 +200,8 @@ def certificates(plant: Plant) -> list[dict[str, Any]]:
     return rows
 
 
-_COLUMNS = ("AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "STATE", "AGE", "TOK/S", "BUSY",
-            "QUEUE", "IN FLIGHT", "KV", "RSS", "UPTIME", "DRAFTS", "LAST ERROR")
+_COLUMNS = ("AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "VERSION", "STATE", "AGE", "TOK/S",
+            "BUSY", "QUEUE", "IN FLIGHT", "KV", "RSS", "UPTIME", "DRAFTS", "LAST ERROR")
 
 
 def table(data: dict[str, Any]) -> str:
@@ -165,6 +218,7 @@ def table(data: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
               .rstrip() for row in rows]
+    lines += [f"warning: {line}" for line in data.get("versions", [])]
     return "\n".join([*lines, *_tls_lines(data)])
 
 
@@ -187,7 +241,7 @@ def _tls_lines(data: dict[str, Any]) -> list[str]:
 def _row(agent: dict[str, Any]) -> tuple[str, ...]:
     status = agent["status"]
     if status is None:
-        return (agent["agent_id"], "-", "-", "-", "-", agent["state"], *["-"] * 10)
+        return (agent["agent_id"], "-", "-", "-", "-", "-", agent["state"], *["-"] * 10)
     m = status["metrics"]
     stage = status["role"] == "stage"
     layers = status["layers"]
@@ -196,13 +250,23 @@ def _row(agent: dict[str, Any]) -> tuple[str, ...]:
         error = error[:_ERROR_CHARS - 1] + "…"
     return (agent["agent_id"], status["role"],
             _num(status["stage"]), f"[{layers[0]}, {layers[1]})" if layers else "-",
-            _engine(status.get("engine")), _state(agent["state"], m), _duration(agent["age_s"]),
+            _engine(status.get("engine")), _version(status), _state(agent["state"], m),
+            _duration(agent["age_s"]),
             # A stage's rate is rows: one per request per decode step, one per prompt chunk.
             _num(m.get("rows_per_s" if stage else "tokens_per_s"), ".1f"),
             "-" if "busy" not in m else f"{m['busy']:.0%}",
             _queue(m), _num(m.get("requests" if stage else "in_flight")),
             _bytes(m.get("kv_bytes")), _bytes(status["rss_bytes"]),
             _duration(status["uptime_s"]), _drafts(m), error or "-")
+
+
+def _version(status: dict[str, Any]) -> str:
+    """The agent's release, and the frame version (f) and stage file cut format (c) it
+    speaks: "0.2.0 f2 c3". An agent of 0.1.0 says its release only."""
+    frame = status.get("frame_version")
+    cut = (status.get("engine") or {}).get("cut_format")
+    return " ".join([status["version"], *([f"f{frame}"] if frame is not None else []),
+                     *([f"c{cut}"] if cut is not None else [])])
 
 
 def _state(state: str, metrics: dict[str, float]) -> str:

@@ -145,13 +145,17 @@ async def serve_until(stop: asyncio.Event, bus: BusClient, handler: Callable[...
     """Run the bus loop, the heartbeat and `workers` until `stop` is set, then leave cleanly."""
     if stop.is_set():  # stopped while loading: never connect, so nothing is left half-open
         return
-    tasks = [asyncio.create_task(bus.run(handler)),
-             asyncio.create_task(heartbeat(bus, heartbeat_s)),
+    beat = asyncio.create_task(heartbeat(bus, heartbeat_s))
+    tasks = [asyncio.create_task(bus.run(handler)), beat,
              asyncio.create_task(tell_systemd(bus)),
              *map(asyncio.ensure_future, workers)]
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
     sd_notify.notify("STOPPING=1", "STATUS=stopping")
+    # No heartbeat may follow the offline status: an online one published while the
+    # offline one waits for its PUBACK overwrote it, and the coordinator kept routing to a
+    # stopped node until liveness.timeout_s (seen stopping a box for its upgrade).
+    await cancel_all([beat])
     await bus.announce_offline()
     await cancel_all([stopper, *tasks])
     for task in done:  # a worker or the bus that died on its own must not exit 0

@@ -59,7 +59,7 @@ import numpy as np
 
 from edgebus.core import frames
 from edgebus.core.client import BusClient
-from edgebus.core.errors import FrameError
+from edgebus.core.errors import FrameError, FrameVersionError
 from edgebus.core.frames import Frame, Header, Kind, Peek
 from node_agent.engines import StageEngine, context_shape, load_engine
 from node_agent.engines.base import Cache, CacheFull
@@ -162,6 +162,8 @@ class StageAgent:
                         "mixed_steps": 0.0, "decode_s": 0.0, "decode_steps": 0.0,
                         "skipped_frames": 0.0, "evicted": 0.0, "lost_frames": 0.0,
                         "bad_frames": 0.0, "refused_frames": 0.0, "unreadable_frames": 0.0,
+                        # frames of another frame version: a box of another edgebus release
+                        "foreign_frames": 0.0,
                         "rollbacks": 0.0, "cancelled_frames": 0.0,
                         # decode frames of several positions, and those run a call a position
                         "verify_frames": 0.0, "verify_positions": 0.0, "verify_split": 0.0}
@@ -207,6 +209,11 @@ class StageAgent:
             peeks = frames.scan(payload, self.limits)
         except frames.BadTail as exc:  # frames before the bad one may still be good
             self._tell_coordinator(exc.suspects, f"a frame was unreadable: {exc}")
+            if isinstance(exc.cause, FrameVersionError):
+                # Its header past the version cannot be read: there is no telling whose
+                # request it is. The coordinator routes around nodes that speak another
+                # version (its routing); this counts what came anyway, for `edgebus status`.
+                self.metrics["foreign_frames"] += 1
             self._dropped(f"dropped an unreadable frame on {topic}: {exc}", len(exc.suspects))
             peeks = exc.peeks
         except frames.BatchError as exc:  # past a limit: none of it is taken

@@ -12,15 +12,10 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Literal
 
+from edgebus.core import frames, versions
 from edgebus.core.messages import AgentStatus
-
-try:
-    VERSION = version("edgebus")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    VERSION = "0+unknown"
 
 # Counters whose per-second rate each status also carries, under the rate's
 # name: a chart of a rate reads at a glance, one of an ever-growing counter
@@ -57,7 +52,8 @@ class StatusPayload:
             metrics.update(self._rates(now, metrics))
         status = AgentStatus(state=state, role=self.role, agent_id=self.agent_id,
                              stage=self.stage, layers=list(self.layers) if self.layers else None,
-                             pid=os.getpid(), host=socket.gethostname(), version=VERSION,
+                             pid=os.getpid(), host=socket.gethostname(),
+                             version=versions.EDGEBUS, frame_version=frames.VERSION,
                              bdseq=bdseq, rss_bytes=rss_bytes(),
                              uptime_s=round(now - _STARTED, 1), last_error=self.last_error,
                              last_error_ts=self.last_error_ts, metrics=metrics, engine=self.engine)

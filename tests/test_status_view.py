@@ -22,8 +22,10 @@ import aiomqtt
 from brokers import AmqttBroker, BrokerHandle
 from pipeline import ask_all, plant_for, running
 
+from edgebus.core import versions
 from edgebus.core.client import BusClient
 from edgebus.core.endpoint import BrokerEndpoint
+from edgebus.core.frames import VERSION
 from edgebus.core.messages import AgentStatus, GenerateRequest
 from edgebus.core.topics import Topics
 from edgebus.status_view import ClusterView
@@ -314,11 +316,14 @@ async def test_edgebus_status_shows_the_live_plant(tiny_llama: Path, amqtt_broke
         table = [re.split(r"\s{2,}", line) for line in lines[2:-1]]
         header = table[0]
         rows = {row[0]: dict(zip(header, row, strict=True)) for row in table[1:]}
-        assert header[:7] == ["AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "STATE", "AGE"]
+        assert header[:8] == ["AGENT", "ROLE", "STAGE", "LAYERS", "ENGINE", "VERSION", "STATE",
+                              "AGE"]
         assert list(rows) == ["stage-0", "stage-1", "coordinator"]
         assert rows["stage-1"]["LAYERS"] == "[3, 6)" and rows["stage-1"]["STATE"] == "online"
         assert rows["stage-1"]["ENGINE"].startswith("torch fp32 x")
         assert rows["coordinator"]["ENGINE"] == "-"
+        # The release and the frame version each agent speaks; a torch stage cuts no file.
+        assert {row["VERSION"] for row in rows.values()} == {f"{versions.EDGEBUS} f{VERSION}"}
         assert rows["stage-1"]["LAST ERROR"].startswith("dropped ")
         assert rows["coordinator"]["IN FLIGHT"] == "0" and rows["stage-0"]["LAST ERROR"] == "-"
         assert rows["coordinator"]["DRAFTS"] == "-"  # the plant does not draft

@@ -31,6 +31,15 @@ class FrameError(EdgebusError):
     """An activation frame could not be decoded (garbage, truncated, wrong version...)."""
 
 
+class FrameVersionError(FrameError):
+    """A frame of another format version: its sender runs another edgebus release.
+    `version`: the frame's."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 class BusError(EdgebusError):
     """The MQTT connection failed in a way retrying will not fix (auth, TLS, bad URL)."""
 

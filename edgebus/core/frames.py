@@ -36,6 +36,13 @@ the coordinator picks the chain, and a failover is a new route and epoch.
 An MQTT message carries one frame or several back to back: a stage sends a
 batched decode step's rows as one message (one broker hop, not B).
 
+The magic and the version (bytes 0-4) stay where they are in every version, so
+a receiver tells a frame of another edgebus release from garbage and refuses it
+naming both releases (`FrameVersionError`; edgebus/core/versions.py), whatever
+else that version changed. Bump VERSION with any change an older receiver would
+misread; a change it never receives unless it says it takes it (as a stage's
+`exact_rows` in its status gates decode frames of several positions) needs none.
+
 Little-endian throughout. The payload is the tensor's raw bytes, or their LZ4
 block when that is meaningfully smaller. Hidden states of a trained model are
 close to incompressible FP16 (measured: LZ4 saves ~0 %), so we try LZ4 only on
@@ -65,7 +72,8 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 import numpy as np
 
-from edgebus.core.errors import FrameError
+from edgebus.core import versions
+from edgebus.core.errors import FrameError, FrameVersionError
 
 if TYPE_CHECKING:
     # Only the torch engine's callers hand torch tensors in: a llama.cpp box has no torch.
@@ -371,7 +379,7 @@ class BatchError(FrameError):
 
     `good`: the frames before the bad one, decoded and checked. `suspects`: the
     headers of the frames from the bad one on that could be read, unverified:
-    whom to tell that their frames did not make it.
+    whom to tell that their frames did not make it. `cause`: what is wrong.
     """
 
     def __init__(self, good: list[Frame], cause: FrameError,
@@ -380,6 +388,7 @@ class BatchError(FrameError):
         super().__init__(f"{where}{cause}")
         self.good = good
         self.suspects = suspects or []
+        self.cause = cause
 
 
 def decode(data: bytes, limits: FrameLimits = SINGLE_FRAME) -> Frame:
@@ -474,8 +483,7 @@ def _scan_one(data: bytes, offset: int,
     if magic != MAGIC:
         return None, FrameError(f"bad magic {magic!r}: not an edgebus activation frame")
     if version != VERSION:
-        return None, FrameError(f"frame version {version}, this agent speaks {VERSION}: "
-                                "run the same edgebus version on every box")
+        return None, version_error(version)
     if kind not in Kind.__members__.values() or code not in DType.__members__.values():
         return None, FrameError(f"unknown frame kind {kind} or dtype {code}")
     if not 1 <= ndim <= 3:
@@ -500,6 +508,16 @@ def _scan_one(data: bytes, offset: int,
         return peek, FrameError(f"payload holds {wire_len} bytes, shape {shape} needs "
                                 f"{raw_len}")
     return peek, None
+
+
+def version_error(version: int) -> FrameVersionError:
+    """The refusal of a frame of `version`: both releases, both frame versions, and which box
+    to upgrade."""
+    upgrade = "this box" if version > VERSION else "the sender's box"
+    return FrameVersionError(
+        f"frame version {version} (sent by {versions.frame_sender(version, VERSION)}); this "
+        f"agent runs edgebus {versions.EDGEBUS} and speaks frame version {VERSION}: upgrade "
+        f"{upgrade} (docs/upgrades.md says in what order)", version)
 
 
 def _finish(data: bytes, peek: Peek) -> Frame:

@@ -172,7 +172,11 @@ class AgentStatus(BaseModel):
     layers: list[int] | None = None
     pid: int
     host: str
-    version: str
+    version: str  # the edgebus release (edgebus/core/versions.py)
+    # The activation frame version it speaks (edgebus/core/frames.py); None from an edgebus
+    # 0.1.0 agent, which did not say (versions.UNSAID_FRAME_VERSION). Readers of 0.1.0 ignore
+    # it, as every field they do not know.
+    frame_version: int | None = None
     ts: float = Field(default_factory=time.time)
     # Birth/death sequence (Sparkplug's bdSeq): one more on every (re)connect,
     # and a Will carries its birth's. A new bdseq means a new MQTT session.

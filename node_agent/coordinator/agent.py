@@ -97,6 +97,7 @@ class Coordinator:
         self._resume = journal.open()  # what a previous run left unanswered
         self.counters = {"tokens": 0.0, "requests_done": 0.0, "failovers": 0.0,
                          "recoveries": 0.0, "resumed": 0.0, "drained": 0.0, "cancelled": 0.0,
+                         "foreign_frames": 0.0, "mixed_routes": 0.0, "restarts": 0.0,
                          "drafts_proposed": 0.0, "drafts_accepted": 0.0,
                          "drafts_rejected": 0.0, "drafts_from_cache": 0.0,
                          "draft_runs": 0.0}

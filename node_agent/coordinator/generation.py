@@ -32,6 +32,10 @@ class Generation:
     epoch: int = 0
     route: tuple[int, ...] = ()  # replica index per stage; () before the first routing
     nodes: list[str] = field(default_factory=list)  # the route's node ids
+    release: str | None = None  # the edgebus release its route's nodes run; None: several
+    # Times it started again from its prompt, replayed onto nodes of another release
+    # (node_agent/coordinator/routing.py): the token loop then drops what it generated.
+    restarts: int = 0
     synced: int = 0  # positions of `history` the route's caches hold
     lost: str | None = None  # why the route must be replaced, once the current step ends
     result: asyncio.Future[Frame] | None = None

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgebus.core import frames
-from edgebus.core.errors import RequestError
+from edgebus.core.errors import FrameVersionError, RequestError
 from edgebus.core.frames import Frame, FrameLimits, Kind
 from edgebus.core.messages import GenerateResponse, Timings, Usage
 from node_agent.coordinator.delivery import Delivery
@@ -160,9 +160,15 @@ class TokenLoop:
         tokens: list[int] = []
         ttft: float | None = None
         finish: str = "length"
+        restarts = gen.restarts
         try:
             while True:
                 result = await self._step(gen, candidates=k)
+                if gen.restarts != restarts:  # replayed onto another release: from its prompt
+                    restarts, tokens, rng = gen.restarts, [], np.random.default_rng(seed)
+                    text = TextStream(self.tokenizer, request.stop) if request.stop else None
+                    if gen.drafts is not None:
+                        gen.drafts = self._drafting.start()
                 cand_ids, cand_logits = result.candidates_arrays()
                 token = sample_token(cand_ids[gen.row], cand_logits[gen.row],
                                      temperature=request.temperature,
@@ -323,10 +329,10 @@ class TokenLoop:
         try:
             peeks = frames.scan(payload, self.limits)
         except frames.BadTail as exc:
-            self._reporter.report("error", f"dropped a result frame: {exc}")
+            self._refused(exc, f"dropped a result frame: {exc}")
             peeks = exc.peeks
         except frames.BatchError as exc:
-            self._reporter.report("error", f"refused a result message: {exc}")
+            self._refused(exc, f"refused a result message: {exc}")
             return
         if not peeks:
             return
@@ -340,6 +346,13 @@ class TokenLoop:
         decoding = asyncio.get_running_loop().run_in_executor(
             self._decoder, frames.decode_scanned, payload, peeks)
         decoding.add_done_callback(self._decoded)
+
+    def _refused(self, exc: frames.BatchError, message: str) -> None:
+        """Report frames refused from their headers; count those of another frame version
+        (a box of another edgebus release), which `edgebus status` then shows."""
+        if isinstance(exc.cause, FrameVersionError):
+            self._counters["foreign_frames"] += 1
+        self._reporter.report("error", message)
 
     def _decoded(self, decoding: asyncio.Future[list[Frame]]) -> None:
         if decoding.cancelled():

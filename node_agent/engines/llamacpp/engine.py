@@ -211,7 +211,7 @@ class LlamaCppEngine(StageEngine):
         return {"engine": self.name, "weights": "gguf", "device": self.device,
                 "threads": self.threads, "tuned": self.tuned, "weight_bytes": self.param_bytes,
                 "sequences": self.max_sequences, "exact_batch": self.exact_batch,
-                "exact_rows": self.exact_rows,
+                "exact_rows": self.exact_rows, "cut_format": stage_gguf.CUT_FORMAT,
                 **{f"row_cost_{k}": round(cost, 2)
                    for k, cost in enumerate(self.row_costs[1:], start=2)}}
 
