@@ -144,16 +144,26 @@ in_chroot() {  # DIR COMMAND...: a command in a chroot, with the cache's pip set
     shift
     chroot "$dir" /usr/bin/env -i HOME=/root LANG=C.UTF-8 \
         PATH=/opt/edgebus/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        PIP_CERT=/etc/ssl/certs/host-ca.crt SSL_CERT_FILE=/etc/ssl/certs/host-ca.crt \
         PIP_CACHE_DIR=/check/cache/pip PIP_DISABLE_PIP_VERSION_CHECK=1 "$@"
 }
+
+# llama.cpp's AMX kernels died of SIGSEGV on `ldtilecfg` in every stage box of a 2-vCPU Xeon
+# VM that advertises AMX (ggml_backend_amx_mul_mat, in an OpenMP worker), while edgebus's own
+# AMX probe, compiled by the box's pip, ran its tile instructions and saw no fault. A build
+# without AMX, the docs' recipe for such VMs (docs/install-a-box.md), runs on any x86 CPU;
+# on a CPU whose AMX works it is only slower there.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
 
 llama_wheel() {  # the wheel of the pinned llama-cpp-python, compiled once for this CPU
     mkdir -p "$CACHE/wheels"
     ls "$CACHE/wheels"/llama_cpp_python-"$PIN"-*.whl >/dev/null 2>&1 && return
     # As docs/install-a-box.md builds it on a box: the library alone, for this CPU
     # (GGML_NATIVE). Every box is a container on this host, so one build fits them all.
-    in_chroot "$IMAGE" env CMAKE_ARGS="-DLLAVA_BUILD=OFF" pip wheel -q --no-deps \
-        --no-binary llama-cpp-python -w /check/cache/wheels "llama-cpp-python==$PIN"
+    in_chroot "$IMAGE" env CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip wheel -q --no-deps --no-cache-dir \
+        --no-binary llama-cpp-python -w /check/cache/wheels "llama-cpp-python==$PIN" \
+        >"$WORK/wheel.log" 2>&1 || die "building llama-cpp-python: see $WORK/wheel.log"
 }
 
 install_image() {
@@ -163,6 +173,8 @@ install_image() {
         | tar -C "$REPO" --null --ignore-failed-read -T - -cf - | tar -C "$IMAGE/check/src" -xf -
     chroot_mounts "$IMAGE"
     cp /etc/resolv.conf "$IMAGE/etc/resolv.conf"
+    # pip inside trusts what the host trusts (a proxy's own CA, say).
+    cp /etc/ssl/certs/ca-certificates.crt "$IMAGE/etc/ssl/certs/host-ca.crt"
     in_chroot "$IMAGE" python3 -m venv /opt/edgebus
     step "llama-cpp-python wheel" llama_wheel
     # docs/install-a-box.md, "Installing on each box": a box without torch.
@@ -229,6 +241,8 @@ boot() {  # NAME: start the box; a `reboot` inside it boots it again, as a machi
         done
     ) </dev/null >>"$dir/console.log" 2>&1 &
     echo $! >"$dir/supervisor.pid"
+    # Its end (a power cut kills it) is no job of this shell's to report.
+    disown $!
 }
 
 box_pids() {  # NAME: every process inside the box
@@ -428,16 +442,29 @@ send_wave() {  # WAVE COUNT [nowait]: asked in the background; returns once all 
     done
 }
 
-record() {  # FAULT BOX UNIT SINCE: what an operator sees on the box, saved and its key lines shown
+record() {  # FAULT BOX UNIT SINCE: what an operator sees, saved, and its key lines shown
     local fault=$1 box=$2 unit=$3 since=$4 out
     out=$LOGS/$fault-$box
     in_box "$box" systemctl status --no-pager -n 0 "$unit" >"$out.status" 2>&1 || true
     in_box "$box" journalctl --no-pager -o short-precise --since "$since" -u 'edgebus-*' \
         -u mosquitto >"$out.journal" 2>&1 || true
     log "$box: systemctl status $unit"
-    sed -n '1,4p' "$out.status" >&2
-    log "$box: journalctl -u 'edgebus-*' since the fault (systemd's lines and warnings)"
-    grep -E 'systemd\[1\]|WARNING|ERROR|CRITICAL|Watchdog|watchdog' "$out.journal" | head -20 >&2 || true
+    grep -E '^ *(Active|Main PID|Status):' "$out.status" >&2 || true
+    log "$box: journalctl -u 'edgebus-*' since the fault: systemd's lines and the agent's warnings"
+    grep -E 'systemd\[1\]|WARNING|ERROR|CRITICAL|^-- Boot' "$out.journal" >&2 || true
+    if [[ $box == broker ]]; then
+        # Debian's mosquitto.conf logs to a file, not the journal; its persistence: below.
+        log "broker: /var/log/mosquitto/mosquitto.log around the reboot, and its database"
+        in_box broker sh -c 'grep -E "terminating|Saving|starting|running" \
+            /var/log/mosquitto/mosquitto.log | tail -6; ls -l /var/lib/mosquitto/' >&2 || true
+    fi
+    if [[ $box != coordinator ]]; then
+        in_box coordinator journalctl --no-pager -o short-precise --since "$since" \
+            -u edgebus-coordinator >"$LOGS/$fault-coordinator.journal" 2>&1 || true
+    fi
+    log "coordinator: journalctl -u edgebus-coordinator since the fault: joins, leaves, replays, errors"
+    grep -E 'leave:|join:|warning:|error:|WARNING|ERROR|resuming|systemd\[1\]' \
+        "$LOGS/$fault-coordinator.journal" | cut -c1-220 >&2 || true
 }
 
 restarts() {  # BOX UNIT: how often systemd has restarted the unit since the box booted

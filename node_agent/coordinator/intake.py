@@ -154,6 +154,11 @@ class Intake:
 
     def resume(self, entries: Iterable[Entry]) -> None:
         """Serve what a previous run left unanswered in the journal."""
+        entries = list(entries)
+        if entries:
+            # After a restart or a reboot, the one line that says no request was dropped.
+            log.info("resuming %d request(s) a previous run left unanswered in the journal: %s",
+                     len(entries), ", ".join(f"{e.client}/{e.request_id}" for e in entries))
         for entry in entries:
             self._counters["resumed"] += 1
             self._spawn(self.serve_request(entry.client, entry.payload, entry.response_topic,
