@@ -15,8 +15,9 @@
 #                        llama-cpp-python wheel, pip's cache (default /var/cache/edgebus-boxes)
 #   EDGEBUS_BOXES_FAULTS the faults to run, in order (default: all of FAULTS below; "none"
 #                        stops after the plant's first answers)
-#   EDGEBUS_BOXES_KEEP=1 leave the boxes running at the end (stop them with
-#                        `tools/boxes_check.sh stop`)
+#   EDGEBUS_BOXES_KEEP=1 leave the boxes running at the end: then
+#                        `tools/boxes_check.sh in BOX COMMAND...` runs a command in a box
+#                        (systemctl, journalctl), `tools/boxes_check.sh stop` stops them
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -545,7 +546,13 @@ cleanup() {
     return $rc
 }
 
-if [[ ${1:-} == stop ]]; then stop_all; exit 0; fi
+case ${1:-} in
+    stop) stop_all; exit 0 ;;
+    in) [[ $# -ge 3 ]] || die "usage: tools/boxes_check.sh in BOX COMMAND..."
+        shift; in_box "$@"; exit ;;
+    "") ;;
+    *) die "usage: tools/boxes_check.sh [stop | in BOX COMMAND...]" ;;
+esac
 mkdir -p "$WORK"
 : >"$TIMES"
 log "llama-cpp-python $PIN; cache $CACHE; load: $(cut -d' ' -f1-3 /proc/loadavg)"
