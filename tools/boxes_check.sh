@@ -499,7 +499,7 @@ fault() {  # FAULT: one fault with requests in flight; then every request accoun
         kill-stage) in_box "$box" systemctl kill -s KILL "$unit" ;;
         freeze-stage) in_box "$box" systemctl kill -s STOP "$unit" ;;
         power-cut-stage) power_cut "$box"; sleep 2; boot "$box" ;;
-        *) in_box "$box" systemctl reboot ;;
+        *) in_box "$box" systemctl --no-block reboot ;;
     esac
     # Requests sent while the box is away.
     sleep 2
