@@ -78,8 +78,9 @@ class Routes:
             live = [r for r, n in enumerate(stage.node_ids) if self.health[n].alive]
             if not live:
                 return (f"stage {stage.index} (layers {list(stage.layers)}) has no live node: "
-                        f"{', '.join(stage.node_ids)} offline. Start a node of it (`edgebus "
-                        "node PLANT --id NODE`) or check its box")
+                        f"{', '.join(stage.node_ids)} offline. Start a node of it "
+                        "(`systemctl start edgebus-node@NODE` on its box, or `edgebus node "
+                        "PLANT --id NODE`) or check its box (`journalctl -u 'edgebus-*'`)")
             room = [r for r in live if self.health[node := stage.node_ids[r]].held
                     + self.kv[node].need(gen.max_len) <= self.kv[node].budget]
             if not room:
