@@ -149,11 +149,10 @@ in_chroot() {  # DIR COMMAND...: a command in a chroot, with the cache's pip set
         PIP_CACHE_DIR=/check/cache/pip PIP_DISABLE_PIP_VERSION_CHECK=1 "$@"
 }
 
-# llama.cpp's AMX kernels died of SIGSEGV on `ldtilecfg` in every stage box of a 2-vCPU Xeon
-# VM that advertises AMX (ggml_backend_amx_mul_mat, in an OpenMP worker), while edgebus's own
-# AMX probe, compiled by the box's pip, ran its tile instructions and saw no fault. A build
-# without AMX, the docs' recipe for such VMs (docs/install-a-box.md), runs on any x86 CPU;
-# on a CPU whose AMX works it is only slower there.
+# llama.cpp's AMX kernel died of SIGSEGV on `ldtilecfg` in every stage box of a 2-vCPU Xeon
+# VM that advertises AMX: GCC 12's `_tile_loadconfig` names 8 bytes of memory, so the stores
+# of the rest of the 64-byte tile configuration were dropped (docs/boxes-check.md). A build
+# without AMX, the docs' recipe (docs/install-a-box.md), runs on any x86 CPU.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
 
