@@ -463,7 +463,7 @@ record() {  # FAULT BOX UNIT SINCE: what an operator sees, saved, and its key li
             -u edgebus-coordinator >"$LOGS/$fault-coordinator.journal" 2>&1 || true
     fi
     log "coordinator: journalctl -u edgebus-coordinator since the fault: joins, leaves, replays, errors"
-    grep -E 'leave:|join:|warning:|error:|WARNING|ERROR|resuming|systemd\[1\]' \
+    grep -E 'leave:|join:|warning:|error:|WARNING|ERROR|stopping with|resuming|systemd\[1\]' \
         "$LOGS/$fault-coordinator.journal" | cut -c1-220 >&2 || true
 }
 
