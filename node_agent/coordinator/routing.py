@@ -113,8 +113,9 @@ class Routes:
             alive = [r for r, n in enumerate(stage.node_ids) if self.health[n].alive]
             if not alive:
                 return (f"stage {stage.index} (layers {list(stage.layers)}) has no live node: "
-                        f"{', '.join(stage.node_ids)} offline. Start a node of it (`edgebus "
-                        "node PLANT --id NODE`) or check its box")
+                        f"{', '.join(stage.node_ids)} offline. Start a node of it "
+                        "(`systemctl start edgebus-node@NODE` on its box, or `edgebus node "
+                        "PLANT --id NODE`) or check its box (`journalctl -u 'edgebus-*'`)")
             live = [r for r in alive if self._usable(stage.node_ids[r])]
             if not live:
                 return self._no_common_version(stage, alive)
