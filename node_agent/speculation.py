@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from edgebus.core.frames import MAX_DECODE_POSITIONS, Frame
 from node_agent.ngram_cache import NgramCache
-from plant_config.schema import Speculation as Settings
+from plant_config.coordinator_section import Speculation as Settings
 
 # Drafts a request keeps in flight at most, whatever the plant file asks: a stage
 # holds a request's drafts in its inbox, and a rollback throws them all away.

@@ -21,6 +21,7 @@ from edgebus.rehearse.report import Prediction, cycle_time, first_start_table, p
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from edgebus.rehearse.workload import ROWS_PER_GROUP
 from plant_config import BrokerSettings, Plant, StageSpec
+from plant_config.coordinator_section import Speculation
 from plant_config.planner import (
     BATCH_ROWS,
     PREFILL_POSITIONS,
@@ -29,7 +30,7 @@ from plant_config.planner import (
     PartBytes,
     PartCost,
 )
-from plant_config.schema import BoxSpec, DiskSpec, Speculation
+from plant_config.schema import BoxSpec, DiskSpec
 
 
 def seed_plant(model: Path, url: str = "mqtt://jetson:1883") -> Plant:

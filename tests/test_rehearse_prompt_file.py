@@ -26,7 +26,8 @@ from edgebus.rehearse.prompt_file import FileRequest, check_for_plant, read_prom
 from edgebus.rehearse.rehearsal import missing
 from edgebus.rehearse.workload import DEFAULT_TOKENS, Workload
 from plant_config import BrokerSettings, Liveness, Plant, StageSpec, write_plant
-from plant_config.schema import BoxSpec, CoordinatorSpec
+from plant_config.coordinator_section import CoordinatorSpec
+from plant_config.schema import BoxSpec
 from plant_config.tasks import TaskTemplate
 
 CHAT = {"messages": [{"role": "system", "content": "You are a PLC assistant."},

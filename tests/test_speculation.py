@@ -54,7 +54,7 @@ from plant_config import (
     make_plant,
     write_plant,
 )
-from plant_config.schema import Speculation
+from plant_config.coordinator_section import Speculation
 
 SPLITS = TINY_SPLITS
 # Its logits are nearly flat (small weights): at this temperature a seeded sampled answer

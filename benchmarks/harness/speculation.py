@@ -36,7 +36,7 @@ from harness.metrics import LoadStats, StreamStats, Trace, load_stats, stream_st
 from harness.workload import chat_request, request_id
 from node_agent.text import prompt_ids
 from plant_config import Plant, write_plant
-from plant_config.schema import Speculation
+from plant_config.coordinator_section import Speculation
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

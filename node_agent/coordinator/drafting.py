@@ -20,7 +20,7 @@ from node_agent.coordinator.generation import Generation
 from node_agent.groups import Outbox
 from node_agent.ngram_cache import NgramCache
 from node_agent.speculation import Draft, Drafts
-from plant_config.schema import Speculation
+from plant_config.coordinator_section import Speculation
 
 
 class Drafting:
