@@ -3,10 +3,10 @@ cold, through its io limit, and its cut's write is charged to it too.
 
 Checked through what each box's io controller counted (io.stat, or blkio's
 throttle.io_service_bytes on cgroup v1), not through wall time: the box with a
-20 MB/s card is limited on the disk that holds the model and the stage files,
+10 MB/s card is limited on the disk that holds the model and the stage files,
 has read at least its share from that disk (a model left in the page cache
 would read nothing), has written its stage file there, and has not come online
-sooner than its reads take at 20 MB/s, which only the limit makes true on this
+sooner than its reads take at 10 MB/s, which only the limit makes true on this
 machine's disk.
 """
 
@@ -30,9 +30,9 @@ from plant_config import make_plant
 from plant_config.schema import BoxSpec, DiskSpec
 
 # A card slower than any a Pi ships with, so that reading dominates a box's first start here:
-# 5 MB/s reads a box's ~30 MB of SmolLM2 in ~6 s, where this machine's disk takes a fraction
-# of a second and the agent's own start ~2 s.
-CARD = DiskSpec(read_mb_s=5, write_mb_s=20)
+# 10 MB/s reads a box's share of SmolLM2 (~50 MB with what it reads to cut) in ~5 s, where
+# this machine's disk takes a fraction of a second and the agent's own start ~2 s.
+CARD = DiskSpec(read_mb_s=10, write_mb_s=40)
 ROOMY_MB = 1024
 
 
@@ -80,14 +80,14 @@ def test_boxes_with_a_slow_card_read_the_model_cold_at_their_rate(tmp_path: Path
             nodes, plant.stages, strict=True)}
     for node in nodes:
         lines = shown[node].splitlines()
-        assert {f"{device} 5000000", f"{device} 20000000"} <= set(lines) or any(
-            line.startswith(f"{device} rbps=5000000 wbps=20000000 ") for line in lines), shown
+        assert {f"{device} 10000000", f"{device} 40000000"} <= set(lines) or any(
+            line.startswith(f"{device} rbps=10000000 wbps=40000000 ") for line in lines), shown
         read = counted[node]
         assert read is not None, counted
         # Each stage file went to the disk from its box (written back by the cut as it
         # went), its write metered by the box's limit.
         assert read.written >= stage_files[node].stat().st_size, (node, read)
-        # Reading what it read takes the box at least this long at 5 MB/s; at this
+        # Reading what it read takes the box at least this long at 10 MB/s; at this
         # machine's disk, a fraction of a second.
         start = first_start_s[node]
         assert start >= CARD.read_s(read.read), (node, start, read)
