@@ -40,8 +40,9 @@ CPU=${EDGEBUS_ARM_CPU:-cortex-a76}
 LLAMAFILE=${EDGEBUS_ARM_LLAMAFILE:-OFF}
 # What a stage box runs, fast enough under emulation (a core ~20x slower than the host's,
 # ~25 minutes for test_llamacpp's fast tests on a loaded 2-core host): a stage file holds
-# its layers only, and a chain of 3 stages gives the whole model's logits bit for bit.
-TESTS=${EDGEBUS_ARM_TESTS:-"tests/test_llamacpp.py -k 'stage_file_holds or hidden_states_of_a_stage'"}
+# its layers only, a chain of 3 stages gives the whole model's logits bit for bit, and
+# the engine's weight placement keeps rows exact (tests/test_llamacpp_placement.py).
+TESTS=${EDGEBUS_ARM_TESTS:-"tests/test_llamacpp.py tests/test_llamacpp_placement.py -k 'stage_file_holds or hidden_states_of_a_stage or llamacpp_placement'"}
 # Packages the root filesystem needs: Python with venv and headers (edgebus compiles two
 # small C files), a compiler for them and for llama-cpp-python's stub build, and the broker.
 ROOTFS_PACKAGES=python3,python3-venv,python3-dev,gcc,g++,make,cmake,ca-certificates,mosquitto
