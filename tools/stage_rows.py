@@ -60,10 +60,10 @@ def main() -> None:
             gguf = write(SMALL, args.random, Path(tmp) / f"small-{args.random}.gguf")
         chosen = placement.choose(placement.features(library.system_info()),
                                   layout(gguf).tensors)
-        print(f"{gguf.name}, {args.placement} placement, {args.threads} thread(s); "
-              f"this CPU's table: "
-              f"{'none (llama.cpp default)' if chosen is None else chosen.repacked}",
-              flush=True)
+        table = ("not measured: llama.cpp's own" if chosen is None else
+                 f"repacks {', '.join(chosen.repacked) or 'nothing'}")
+        print(f"{gguf.name}, {args.placement} placement, {args.threads} thread(s); the "
+              f"engine's placement on this build: {table}", flush=True)
         layers = load_config(gguf).num_hidden_layers
         bounds = [layers * i // args.stages for i in range(args.stages + 1)]
         for stage, (first, end) in enumerate(itertools.pairwise(bounds)):
