@@ -44,6 +44,7 @@ from typing import Any
 from edgebus.core.errors import EdgebusError
 from edgebus.core.processes import proc_status_bytes
 from edgebus.rehearse import Options, Rehearsal, Workload, one_box_variant
+from edgebus.rehearse.disk import drop_from_cache
 from edgebus.rehearse.report import Prediction, predict
 from edgebus.rehearse.workload import Client, Measurement, decode_step_ms, measure, wait_online
 from harness.metrics import Trace, load_stats, stream_stats
@@ -97,13 +98,7 @@ def cold(*paths: Path) -> None:
     """Drop `paths` from the page cache, so each system reads its model from disk at start
     and its boxes are charged for the pages they read (a page stays charged to the control
     group that first read it)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_from_cache(paths)
 
 
 def peak_rss(pid: int) -> int | None:

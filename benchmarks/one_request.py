@@ -28,6 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgebus.core.frames import MAX_DECODE_POSITIONS
 from edgebus.model_import import bundled_gguf
 from edgebus.rehearse import Options, Workload, one_box_variant, rehearse_plant
 from edgebus.rehearse.prompt_file import read_prompt_file
@@ -40,7 +41,9 @@ PROMPTS = Path(__file__).parent / "prompts"
 EXAMPLE, ALONE = "jetson-2pi", "jetson"
 # "drafts off, TLS": the plant as init makes it by default (TLS, passwords, ACLs), against
 # the same plant in plain MQTT ("drafts off"): what TLS costs a token.
-VARIANTS = ("alone", "drafts off", "drafts on", "drafts off, TLS")
+# "drafts on, spread": positions per frame pinned to the most (the window spread over a frame
+# per stage, as before they were chosen from the stages' costs), against "drafts on".
+VARIANTS = ("alone", "drafts off", "drafts on", "drafts off, TLS", "drafts on, spread")
 # Cores of this machine the three boxes share (the rehearsal splits them by speed): with
 # 0.6 the Jetson gets 0.36 of a core, at which SmolLM2 took about 80 ms a token on the Intel
 # Xeon VM, where the seed's Jetson took 31. The ratios are what the bench measures; by
@@ -75,10 +78,15 @@ def with_chunk(plant: Plant, chunk: int | None) -> Plant:
         "coordinator": plant.coordinator.model_copy(update={"prefill_chunk": chunk})})
 
 
-def without_drafts(plant: Plant) -> Plant:
+def with_speculation(plant: Plant, **settings: int) -> Plant:
+    """`plant` with these `coordinator.speculation` settings."""
     coordinator = plant.coordinator.model_copy(update={
-        "speculation": plant.coordinator.speculation.model_copy(update={"drafts": 0})})
+        "speculation": plant.coordinator.speculation.model_copy(update=settings)})
     return plant.model_copy(update={"coordinator": coordinator})
+
+
+def without_drafts(plant: Plant) -> Plant:
+    return with_speculation(plant, drafts=0)
 
 
 def busy(measured: Measurement) -> str:
@@ -119,7 +127,9 @@ async def main(args: argparse.Namespace) -> None:
     variants = [("alone", without_drafts(alone), alone_options),
                 ("drafts off", without_drafts(drafting), options),
                 ("drafts on", drafting, options),
-                ("drafts off, TLS", without_drafts(secured), options)]
+                ("drafts off, TLS", without_drafts(secured), options),
+                ("drafts on, spread",
+                 with_speculation(drafting, positions_per_frame=MAX_DECODE_POSITIONS), options)]
     runs: list[Run] = []
     for round_ in range(args.rounds):
         for workload in args.workloads:

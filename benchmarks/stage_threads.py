@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from edgebus.core.processes import cores
 from edgebus.launcher import READY_TIMEOUT_S, PlantProcesses
 from edgebus.model_import import bundled_gguf, ensure_demo_model
-from harness import baseline
+from harness import baseline, process_cpu
 from harness.gateway import Gateway, closed_loop
 from harness.metrics import Trace, inter_token_latencies, load_stats
 from harness.peers import ARRIVAL_SEED
@@ -50,14 +50,6 @@ def _decode_tok_s(traces: list[Trace]) -> float:
     return len(gaps) / sum(gaps)
 
 
-def _cpu_s(pids: list[int]) -> float:
-    ticks = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _start(variant: str, stages: int, model_dir: Path, work: Path, stack: contextlib.ExitStack
            ) -> PlantProcesses:
     threads, _, spin = variant.partition(":")
@@ -75,16 +67,6 @@ def _start(variant: str, stages: int, model_dir: Path, work: Path, stack: contex
     finally:
         os.environ.pop("GOMP_SPINCOUNT", None)
     return processes
-
-
-def _roles(processes: PlantProcesses) -> dict[str, list[int]]:
-    """The plant's process ids by role: its stages, its coordinator, its broker."""
-    roles: dict[str, list[int]] = {"stage": [], "coordinator": [], "broker": []}
-    for agent, pid in processes.pids.items():
-        role = next((r for r in roles if agent.startswith(r)), None)
-        if role is not None:
-            roles[role].append(pid)
-    return roles
 
 
 async def _measure(plants: dict[str, PlantProcesses], ids: list[int], rounds: int,
@@ -107,16 +89,16 @@ async def _measure(plants: dict[str, PlantProcesses], ids: list[int], rounds: in
                     assert whole is not None, "llama-cpp-python did not run"
                     row["decode_tok_s"] = 1 / whole.itl_p50_s
                 else:
-                    roles = _roles(plants[name])
-                    before = {role: _cpu_s(pids) for role, pids in roles.items()}
+                    roles = process_cpu.roles(plants[name])
+                    before = {role: process_cpu.cpu_s(pids) for role, pids in roles.items()}
                     traces = [await gateways[name].generate(
                         chat_request(request_id("single"), TOKENS), TIMEOUT_S)
                         for _ in range(REQUESTS)]
                     row["decode_tok_s"] = _decode_tok_s(traces)
                     tokens = sum(t.tokens for t in traces)
                     for role, pids in roles.items():
-                        row[f"{role}_cpu_ms_a_token"] = ((_cpu_s(pids) - before[role]) * 1e3
-                                                         / tokens)
+                        used = process_cpu.cpu_s(pids) - before[role]
+                        row[f"{role}_cpu_ms_a_token"] = used * 1e3 / tokens
                 results.setdefault(name, []).append(row)
                 print(turn, name, {k: round(v, 1) for k, v in row.items()}, flush=True)
         for turn in range(loaded_rounds):

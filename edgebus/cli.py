@@ -178,6 +178,7 @@ def _plan(args: argparse.Namespace) -> None:
     import json
 
     from plant_config import load_plant
+    from plant_config.first_start import first_start_table
     from plant_config.planner import evaluate, plan, plan_table, plant_boxes
 
     plant = load_plant(args.plant)
@@ -199,6 +200,8 @@ def _plan(args: argparse.Namespace) -> None:
           f"in {engine}, {source} ({measured.measured_at}; `--profile` measures again)")
     current = evaluate(costs, stages, [stage.layers for stage in plant.pipeline])
     print(plan_table(result, costs, current))
+    if (disks := first_start_table(result, costs)) is not None:
+        print(f"\n{disks}")
 
 
 def _node(args: argparse.Namespace) -> None:

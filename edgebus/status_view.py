@@ -200,7 +200,7 @@ def _row(agent: dict[str, Any]) -> tuple[str, ...]:
             # A stage's rate is rows: one per request per decode step, one per prompt chunk.
             _num(m.get("rows_per_s" if stage else "tokens_per_s"), ".1f"),
             "-" if "busy" not in m else f"{m['busy']:.0%}",
-            _num(m.get("queue")), _num(m.get("requests" if stage else "in_flight")),
+            _queue(m), _num(m.get("requests" if stage else "in_flight")),
             _bytes(m.get("kv_bytes")), _bytes(status["rss_bytes"]),
             _duration(status["uptime_s"]), _drafts(m), error or "-")
 
@@ -212,6 +212,14 @@ def _state(state: str, metrics: dict[str, float]) -> str:
     if unacked < UNACKED_WARN_AT:
         return state
     return f"{state}, {unacked:.0f}/{INFLIGHT_WINDOW} unacked"
+
+
+def _queue(metrics: dict[str, float]) -> str:
+    """A stage's inbox, or the coordinator's waiting room with its oldest wait ("12, 8s")."""
+    waited = metrics.get("oldest_wait_s")
+    if not metrics.get("queue") or waited is None:
+        return _num(metrics.get("queue"))
+    return f"{metrics['queue']:.0f}, {_duration(waited)}"
 
 
 def _drafts(metrics: dict[str, float]) -> str:

@@ -10,8 +10,9 @@ not an acknowledgement held back until the answer.
 One file per request, named by a hash of (client, id) so no id can name a path:
 written to a temporary name, fsynced and renamed, then the directory fsynced,
 so a crash leaves either the whole entry or none. The journal holds at most
-the requests admitted (`max_in_flight`), each at most a request's size limit,
-and at most `MAX_BAD` unreadable entries set aside.
+the requests admitted, in flight (`max_in_flight`) and waiting for a slot
+(`max_queue`), each at most a request's size limit, and at most `MAX_BAD`
+unreadable entries set aside.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Entry:
     correlation: bytes | None = None  # MQTT 5 correlation data
     # The sampling seed it was first served with: served again, it draws the same tokens.
     seed: int | None = None
+    # When it arrived (time.time()): a restarted coordinator serves its journal in this
+    # order, so requests that waited for a slot keep their places.
+    received: float | None = None
 
     def to_json(self) -> str:
         return json.dumps({
@@ -58,17 +62,19 @@ class Entry:
             "response_topic": self.response_topic,
             "correlation": (None if self.correlation is None
                             else base64.b64encode(self.correlation).decode()),
-            "seed": self.seed})
+            "seed": self.seed, "received": self.received})
 
     @classmethod
     def from_json(cls, text: str) -> Entry:
         data = json.loads(text)
         correlation = data.get("correlation")
-        seed = data.get("seed")  # absent from an entry an older version wrote
+        seed = data.get("seed")  # absent from an entry an older version wrote, as received
+        received = data.get("received")
         return cls(str(data["client"]), str(data["id"]), base64.b64decode(data["payload"]),
                    data.get("response_topic"),
                    None if correlation is None else base64.b64decode(correlation),
-                   None if seed is None else int(seed))
+                   None if seed is None else int(seed),
+                   None if received is None else float(received))
 
 
 def key_name(client: str, request_id: str) -> str:

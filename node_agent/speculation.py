@@ -40,8 +40,10 @@ How many drafts ride ahead (`window`) adapts to how often they are taken;
 after a run of misses a request stops drafting for a while, so free text
 costs no more than a few probes. How many positions a frame
 carries (`positions_per_frame`) spreads the window over as many frames as the
-route has stages, so that every stage has a frame to compute, and never past
-what every stage of the route verifies in one call.
+route has stages, so that every stage has a frame to compute, never past what
+every stage of the route verifies in one call, and only as far as the drafts'
+recent acceptance pays for what the stages measured k positions in one call to
+cost (their `row_costs`).
 """
 
 from __future__ import annotations
@@ -133,11 +135,26 @@ class Drafts:
         self.ahead.clear()
         self.arrived.clear()
 
-    def positions_per_frame(self, stages: int, exact_rows: int) -> int:
+    def positions_per_frame(self, stages: int, row_costs: Sequence[float]) -> int:
         """Positions a frame carries: the window spread over a frame per stage, so that
-        every stage computes one, each at most what every stage of the route verifies in
-        one call (`exact_rows`, the least of theirs)."""
-        return max(1, min(-(-self.window // stages), exact_rows, MAX_DECODE_POSITIONS))
+        every stage computes one, and at most what every stage of the route verifies in one
+        call (`row_costs`' length). Within that, the count that brings the most tokens for
+        its cost: a frame of k positions is worth 1 + p + ... + p^(k-1) tokens, p the share
+        of drafts taken lately, and costs `row_costs[k - 1]` steps of one position. Where
+        k positions cost k steps, as on a CPU without a batched kernel for the weights, a
+        frame carries one position and the drafts ride in frames of their own. The plant
+        file's `speculation.positions_per_frame` sets the count instead."""
+        most = max(1, min(-(-self.window // stages), len(row_costs), MAX_DECODE_POSITIONS))
+        if self.settings.positions_per_frame is not None:
+            return min(most, self.settings.positions_per_frame)
+        taken = self.acceptance()
+        worth = [sum(taken ** j for j in range(k)) / row_costs[k - 1] for k in range(1, most + 1)]
+        return 1 + worth.index(max(worth))
+
+    def acceptance(self) -> float:
+        """The share of drafts taken among the last JUDGE_DRAFTS checked, counting one
+        taken and one not before any (so a new request starts at 1/2)."""
+        return (sum(self._recent) + 1) / (len(self._recent) + 2)
 
     def propose(self, text: Sequence[int], room: int, most: int = MAX_WINDOW) -> list[int]:
         """Tokens to draft after `text` (the request's tokens, then the drafts in flight),

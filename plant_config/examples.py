@@ -25,6 +25,21 @@ class Example:
     boxes: tuple[dict[str, Any], ...]
 
 
+# The example boxes' storage, MB/s (BoxSpec.disk). Replace them with the box's own: `dd
+# if=A_BIG_FILE of=/dev/null bs=1M iflag=direct` reads it, `dd if=/dev/zero of=FILE bs=1M
+# count=1024 oflag=direct` writes it (docs/plant-file.md).
+# A Raspberry Pi 5's microSD card: the Pi 5 drives it in SDR104 mode, whose bus carries at
+# most 104 MB/s, and sequential reads measure ~90 (a Pi 4's DDR50 bus held every card to
+# ~44: pidramble.com's microSD benchmarks); writes are the card's, and a U3 / V30 card is
+# rated for at least 30 MB/s sustained (the SD Association's speed classes), as good cards
+# measured 32-40 MB/s on a Pi 4 (pidramble.com).
+PI5_SD_CARD = {"read_mb_s": 90, "write_mb_s": 30}
+# A Jetson Orin Nano developer kit with an NVMe drive in its M.2 Key M slot (PCIe Gen3 x4,
+# ~3,900 MB/s on the link): a budget DRAM-less drive reads ~1,500 MB/s sequentially, and
+# sustains 200-500+ MB/s of writes past its cache (edgeaistack.app, "NVMe vs SD card for
+# Jetson"). Booted from its microSD card instead, it reads as the Pi 5 does.
+ORIN_NANO_NVME = {"read_mb_s": 1500, "write_mb_s": 500}
+
 EXAMPLES: dict[str, Example] = {
     # The seed's plant. 6 GiB of each 8 GB box leaves 2 GB for the OS,
     # Mosquitto and (on the Jetson) JetPack's services. The Jetson comes last:
@@ -32,10 +47,12 @@ EXAMPLES: dict[str, Example] = {
     # token as ~6 SmolLM2 layers, so the fastest box should take it.
     "jetson-2pi": Example(
         broker="mqtts://jetson:8883",  # Mosquitto on the Jetson, TLS
-        boxes=({"name": "pi-1", "memory_mb": 6144, "device": "rpi5", "speed": 1.0},
-               {"name": "pi-2", "memory_mb": 6144, "device": "rpi5", "speed": 1.0},
+        boxes=({"name": "pi-1", "memory_mb": 6144, "device": "rpi5", "speed": 1.0,
+                "disk": PI5_SD_CARD},
+               {"name": "pi-2", "memory_mb": 6144, "device": "rpi5", "speed": 1.0,
+                "disk": PI5_SD_CARD},
                {"name": "jetson", "memory_mb": 6144, "device": "jetson-orin-nano",
-                "speed": 3.0})),
+                "speed": 3.0, "disk": ORIN_NANO_NVME})),
 }
 
 

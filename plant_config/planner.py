@@ -27,7 +27,7 @@ from typing import Any
 from edgebus.core.errors import PlantConfigError
 from plant_config.layout import LayerRange, show
 from plant_config.placement import Service, broker_box, services
-from plant_config.schema import Plant, WeightMode
+from plant_config.schema import DiskSpec, Plant, WeightMode
 from plant_config.stage_memory import (
     COORDINATOR_BYTES,
     EMBEDDED_BROKER_BYTES,
@@ -167,15 +167,22 @@ class ModelCosts:
             shared = mode in ("bf16", "gguf") or (mode == "fp32" and not self.packed_fp32)
             if first == 0 and self.tied and shared:
                 total -= self.embedding_bytes[mode]
-        # The matrix a stage file holds only because llama.cpp insists on it
-        # (stage_memory.STANDIN_TYPES): a first stage's head, an untied last stage's
-        # embedding. Uncounted, llama.cpp's own copies put Llama-3-8B's first and last
+        # Uncounted, llama.cpp's own copies of the stand-ins put Llama-3-8B's first and last
         # stages 282 MiB over their counts, and the OOM killer ended them on 2 GiB boxes.
+        if mode == "gguf":
+            total += self.standin_bytes(layers)
+        return total
+
+    def standin_bytes(self, layers: LayerRange) -> int:
+        """The matrix of zeros a stage file of `layers` holds only because llama.cpp insists on
+        it (stage_memory.STANDIN_TYPES): a first stage's head, an untied last stage's
+        embedding. The cut writes it without reading it from the GGUF."""
+        first, stop = layers
         first_stage = first == 0 and stop < self.num_layers
         untied_last_stage = first > 0 and stop == self.num_layers and not self.tied
-        if mode == "gguf" and self.llamacpp is not None and (first_stage or untied_last_stage):
-            total += standin_bytes(self.llamacpp.hidden, self.llamacpp.vocab)
-        return total
+        if self.llamacpp is None or not (first_stage or untied_last_stage):
+            return 0
+        return standin_bytes(self.llamacpp.hidden, self.llamacpp.vocab)
 
 
 @dataclass(frozen=True)
@@ -226,6 +233,8 @@ class Box:
     # A llama.cpp node's KV budget raised to hold this many requests of its range where
     # `kv_bytes` holds fewer, as `edgebus init` writes it (0: `kv_bytes` as it is).
     kv_requests: int = 0
+    # The box's storage (plant_config/first_start.py); None: not in the plant file.
+    disk: DiskSpec | None = None
 
     def memory(self, costs: ModelCosts, layers: LayerRange) -> Memory:
         """What this node holds running `layers`."""
@@ -316,7 +325,8 @@ def plant_boxes(plant: Plant, *, memory_scale: float = 1.0,
                       kv_bytes=spec.kv_budget_mb * MIB, device=by_name[spec.node].device,
                       positions=context_shape(plant, spec.node).positions,
                       batch_positions=context_shape(plant, spec.node).batch_positions,
-                      services=placed.get(spec.node, ()), kv_requests=kv_requests)
+                      services=placed.get(spec.node, ()), kv_requests=kv_requests,
+                      disk=by_name[spec.node].disk)
                   for spec in stage.nodes)
             for stage in plant.pipeline]
 

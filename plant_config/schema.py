@@ -24,6 +24,8 @@ from pydantic import (
 
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.errors import PlantConfigError
+from edgebus.core.frames import MAX_DECODE_POSITIONS
+from edgebus.core.messages import MAX_WAIT_S
 from edgebus.core.topics import Topics, check_level
 from plant_config.broker_section import BrokerSettings, Security
 from plant_config.credentials import read_password
@@ -126,6 +128,36 @@ class StageSpec(_Section):
         return self
 
 
+# Above this a "MB/s" is not one: the fastest PCIe 5 NVMe drives read at ~14,000 MB/s, so
+# a larger figure is bytes/s or KB/s written into a field counted in MB/s.
+MAX_DISK_MB_S = 20_000
+
+
+class DiskSpec(_Section):
+    """A box's storage as its agent reads and writes a model: sequential MB/s (10^6 bytes a
+    second, as cards and drives are rated), measured on the box (docs/plant-file.md)."""
+
+    read_mb_s: PositiveFloat
+    write_mb_s: PositiveFloat
+
+    @field_validator("read_mb_s", "write_mb_s")
+    @classmethod
+    def _check_rate(cls, rate: float) -> float:
+        if rate > MAX_DISK_MB_S:
+            raise ValueError(f"{rate:g} MB/s is faster than any drive (the fastest NVMe read "
+                             f"~14,000): the rate is in MB/s — a Raspberry Pi's SD card reads "
+                             "at 50-90, writes at 20-60")
+        return rate
+
+    def read_s(self, n_bytes: int) -> float:
+        """Seconds to read `n_bytes` at this rate."""
+        return n_bytes / (self.read_mb_s * 1e6)
+
+    def write_s(self, n_bytes: int) -> float:
+        """Seconds to write `n_bytes` at this rate."""
+        return n_bytes / (self.write_mb_s * 1e6)
+
+
 class BoxSpec(_Section):
     """One box of the plant as `edgebus plan` sees it; `name` is the node id of its stage.
 
@@ -144,6 +176,10 @@ class BoxSpec(_Section):
     # The box's network link in Mbit/s, for `edgebus rehearse` (docs/rehearse.md);
     # None: as fast as the machine it is rehearsed on.
     link_mbit: PositiveFloat | None = None
+    # The box's storage, which sets how long a first start reads and writes: `edgebus plan`
+    # estimates it and `edgebus rehearse` holds the box's disk to it; None: unknown (plan
+    # states no estimate) and, rehearsed, as fast as the machine's disk.
+    disk: DiskSpec | None = None
 
     @field_validator("name")
     @classmethod
@@ -193,6 +229,11 @@ class Speculation(_Section):
     # 250 bytes each: the default holds ~8 MiB, the n-grams of some 11000 tokens of text,
     # tens of recent requests; the most allowed ~250 MiB.
     answer_cache: int = Field(default=32768, ge=0, le=1_000_000)
+    # Positions a decode frame carries, the token's and drafts: unset, chosen per frame
+    # from the stages' measured cost of k positions in one call and the drafts taken lately
+    # (node_agent/speculation.py); set, that many wherever the window and the stages'
+    # `exact_rows` allow, for a plant whose boxes were benchmarked (docs/benchmarks.md).
+    positions_per_frame: int | None = Field(default=None, ge=1, le=MAX_DECODE_POSITIONS)
 
     @model_validator(mode="after")
     def _ngrams_in_order(self) -> Speculation:
@@ -212,6 +253,18 @@ class CoordinatorSpec(_Section):
     # `busy`. Default: three quarters, so a gateway that floods the plant (a retry loop,
     # an HTTP gateway under load) leaves a quarter for the PLC bridges.
     max_in_flight_per_client: PositiveInt | None = None
+    # Requests that may wait for a slot past max_in_flight (node_agent/coordinator/
+    # waiting_room.py), fair across gateways; past it a request is answered `busy` at once,
+    # with a retry time. 512 holds an alarm storm of 16 PLCs x 25 requests beside a full
+    # plant (docs/benchmarks.md), and bounds the journal a storm leaves on disk and in
+    # memory to 512 requests of at most 256 KiB each; 0: nothing waits (busy at once).
+    max_queue: int = Field(default=512, ge=0, le=100_000)
+    # Seconds a request waits for a slot at most (a request may ask for less, max_wait_s);
+    # past it, `busy` with a retry time. The storm of 16 PLCs x 25 requests of 16 tokens
+    # on the bundled SmolLM2 (3 llama.cpp stages, 2-core Xeon VM at load 9-13) had its
+    # last answer 169-201 s after it began (docs/benchmarks.md): 600 s serves it 3 times
+    # over, and a PLC still waiting for alarm advice after 10 minutes has moved on.
+    max_wait_s: float = Field(default=600.0, ge=0.0, le=MAX_WAIT_S)
     candidates: PositiveInt = 64  # top-k (id, logit) pairs the last stage returns per token
     request_timeout_s: PositiveFloat = 120.0
     # Prompt positions per prefill frame. Other requests' decode steps wait

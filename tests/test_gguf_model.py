@@ -43,8 +43,10 @@ from node_agent.gguf_tokenizer import GgufTokenizer
 from node_agent.model_config import generation_eos, kv_bytes_per_token, load_config
 from node_agent.tokenizer import FileTokenizer
 from plant_config import load_plant, make_plant, write_plant
+from plant_config.first_start import seconds
+from plant_config.planner import plan, plant_boxes
 from plant_config.schema import BoxSpec
-from plant_config.stage_memory import standin_bytes
+from plant_config.stage_memory import MIB, standin_bytes
 
 # What the product reads of a model's config: the sizes frames and KV are checked and
 # booked by, and what a reader of config.json expects besides.
@@ -284,11 +286,13 @@ def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
 
     monkeypatch.setattr(gguf_profile, "LlamaCppEngine", Counted)
     plant = make_plant(bundled, stages=3, weights="gguf")
-    boxes = [{"name": s.node, "memory_mb": 4096, "speed": 1.0} for s in plant.stages]
+    boxes = [{"name": s.node, "memory_mb": 4096, "speed": 1.0,
+              "disk": {"read_mb_s": 10, "write_mb_s": 5}} for s in plant.stages]
     path = tmp_path / "plant.yaml"
     write_plant(plant.model_copy(update={"boxes": [BoxSpec(**b) for b in boxes]}), path)
     main(["plan", str(path)])
-    assert "profile in llama.cpp, measured now" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "profile in llama.cpp, measured now" in out
     assert open_engines == [1, 0, 1, 0]  # a marked context, then a plain one
     costs, measured, fresh = model_costs(bundled)
     assert not fresh  # the plan's, from $EDGEBUS_HOME
@@ -302,3 +306,13 @@ def test_plan_times_a_gguf_in_llama_cpp_and_sizes_stages_by_its_tensors(
     assert costs.llamacpp is not None
     assert sum(stages) == (in_file + gguf_model.part_bytes(bundled)[gguf_model.EMBEDDING]
                            + standin_bytes(costs.llamacpp.hidden, costs.llamacpp.vocab))
+    # Each box's first start on its 10 / 5 MB/s disk, with the plan's layers: the cut reads
+    # its share (not the stand-in, which it writes) and writes its stage file.
+    [first] = [line for line in out.splitlines() if line.startswith("stage-0 ")]
+    share = costs.weight_bytes(plan(costs, plant_boxes(load_plant(path))).stages[0].layers,
+                               "gguf")
+    read = share - standin_bytes(costs.llamacpp.hidden, costs.llamacpp.vocab)
+    assert first.split() == [
+        "stage-0", "10", "/", "5", f"{read / MIB:.0f}", f"{share / MIB:.0f}",
+        seconds(read / 10e6), "+", seconds(share / 5e6), "=",
+        seconds(read / 10e6 + share / 5e6), "s", seconds(share / 10e6), "s"], out

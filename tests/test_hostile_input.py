@@ -314,7 +314,9 @@ async def test_a_request_sent_twice_is_generated_and_answered_once_then_again_on
 
 async def test_past_the_admission_limit_requests_get_busy_and_none_is_lost(
         tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
-    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)], max_in_flight=2)
+    # No waiting room (max_queue 0): what it cannot start is refused at once.
+    plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)], max_in_flight=2,
+                      max_queue=0)
     batch = [GenerateRequest(id=f"b{i}", prompt=f"Sensor {i} drift", max_tokens=40,
                              ignore_eos=True) for i in range(12)]
     async with running(plant), aiomqtt.Client(mosquitto_broker.host,
@@ -588,7 +590,7 @@ async def test_numbers_past_their_bounds_are_answered_with_a_coded_error_naming_
 async def test_past_its_share_a_gateway_gets_busy_and_the_others_are_served(
         tiny_llama: Path, mosquitto_broker: BrokerHandle) -> None:
     plant = plant_for(tiny_llama, mosquitto_broker, [(0, 3), (3, 6)], max_in_flight=4,
-                      max_in_flight_per_client=2)
+                      max_in_flight_per_client=2, max_queue=0)
     flood = [GenerateRequest(id=f"f{i}", prompt=f"Sensor {i} drift", max_tokens=40,
                              ignore_eos=True) for i in range(8)]
     plc = [GenerateRequest(id=f"p{i}", prompt=f"Press {i} stalled", max_tokens=8,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from edgebus.core.processes import LOOPBACK, free_port
 from edgebus.gateways.api_keys import ensure_api_keys, key_path
 from edgebus.gateways.http import EXTRA_CONNECTIONS, HttpGateway, Pending, _events, _Shape
 from node_agent.coordinator.agent import Coordinator
+from node_agent.coordinator.waiting_room import UNMEASURED_RETRY_S
 from node_agent.stage import StageAgent
 from plant_config import Plant
 from plant_config.broker_section import Security
@@ -251,9 +253,10 @@ async def test_busy_unavailable_and_timeout_statuses(tiny_llama: Path,
 
     Two gateways share the identity `http`, as two `edgebus http` processes may.
     """
-    # Both gateways are `http`: its share of max_in_flight is the whole here.
+    # Both gateways are `http`: its share of max_in_flight is the whole here. No waiting
+    # room (max_queue 0): the third request is refused at once.
     plant = plant_for(tiny_llama, mosquitto_broker, [(0, 6)], max_in_flight=2,
-                      max_in_flight_per_client=2)
+                      max_in_flight_per_client=2, max_queue=0)
     # The hasty gateway gives up (504) before the coordinator stops waiting for a stage
     # (503), and both waits bound the test's time: short, with room for the 429s between.
     plant = plant.model_copy(update={"liveness": Liveness(stage_wait_s=STAGE_WAIT_S)})
@@ -277,7 +280,8 @@ async def test_busy_unavailable_and_timeout_statuses(tiny_llama: Path,
         # The gateway that gave up cancelled its request: the coordinator lets it go.
         await _until(lambda: not coordinator._active, "every request ended")
     assert busy.status_code == 429 and busy.code == "busy"
-    assert busy.response.headers["retry-after"] == "2"
+    # Nothing has finished yet to measure a rate by: the coordinator's default retry time.
+    assert busy.response.headers["retry-after"] == str(math.ceil(UNMEASURED_RETRY_S))
     assert "2 requests in flight" in busy.message
     assert full.status_code == 429 and "1 requests in flight at this gateway" in full.message
     assert full.response.headers["retry-after"] == "2"

@@ -475,7 +475,11 @@ def test_a_frame_of_several_positions_computes_what_one_position_calls_do(
                     (1, positions, engine.config.hidden_size)).astype(np.float32)
             rows = engine.exact_rows
             assert 1 <= rows <= MAX_DECODE_POSITIONS
-            assert engine.describe()["exact_rows"] == rows
+            described = engine.describe()
+            assert described["exact_rows"] == rows
+            # What the coordinator weighs drafts against: a cost for every count verified.
+            costs = [1.0, *(described[f"row_cost_{k}"] for k in range(2, rows + 1))]
+            assert costs == sorted(costs) and f"row_cost_{rows + 1}" not in described, costs
             for count in sorted({2, rows, MAX_DECODE_POSITIONS}):
                 assert np.array_equal(_after_two(engine, x, count, "verify"),
                                       _after_two(engine, x, count, "one by one")), count
@@ -601,11 +605,11 @@ def test_init_gives_a_deep_llama_cpp_stage_room_for_a_batch_of_the_longest_reque
     assert [s.kv_budget_mb for s in with_kv_budgets(plant, small).stages] == [512] * 3
 
 
-async def test_requests_past_the_sequences_wait_or_are_told_busy(
+async def test_requests_past_the_sequences_wait_for_one(
         tiny_llama_gguf: Path, amqtt_broker: BrokerHandle) -> None:
     """The coordinator books a llama.cpp stage by its sequences: a request past them waits
-    for one to free (or is answered `busy` if none was free when it came), and is never
-    sent to a stage that would have to refuse it."""
+    in the waiting room for one to free, and is never sent to a stage that would have to
+    refuse it."""
     # 6 layers x 2 kv heads x 16 x 2 (K, V) x 2 bytes a position, 1024 positions a request
     # (0.75 MiB): a budget of whole MiB with room for two requests' shares, not three.
     limits = {"max_prompt_tokens": 968, "max_tokens_limit": 56}
@@ -618,11 +622,8 @@ async def test_requests_past_the_sequences_wait_or_are_told_busy(
     async with running(plant) as stages:
         responses = await ask_all(plant, reqs)
     assert stages[0].model.max_sequences == 2  # type: ignore[attr-defined]
-    served = [r for r in responses if r.error is None]
-    assert all(r.error.code == "busy" for r in responses if r.error is not None), responses
-    assert len(served) >= 2
-    for response in served:
-        request = next(r for r in reqs if r.id == response.id)
+    for request, response in zip(reqs, responses, strict=True):
+        assert response.error is None, response.error
         assert response.tokens == reference(tiny_llama_gguf, request)
 
 

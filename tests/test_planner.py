@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from itertools import combinations, pairwise
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from node_agent.gguf_memory import llamacpp_shape
 from node_agent.measured import Measured, write_cache
 from plant_config import load_plant, write_plant
 from plant_config.examples import example_plant
+from plant_config.first_start import first_start, first_start_table
 from plant_config.layout import LayerRange, fit_problems, layout_problems
 from plant_config.planner import (
     MIB,
@@ -39,7 +41,7 @@ from plant_config.planner import (
     plan,
     plant_boxes,
 )
-from plant_config.schema import WeightMode
+from plant_config.schema import DiskSpec, WeightMode
 from plant_config.stage_memory import (
     COORDINATOR_BYTES,
     HEADROOM_BYTES,
@@ -327,6 +329,8 @@ def test_plan_table(tmp_path: Path, smollm2_profiled: Path, smollm2_costs: Model
     out = capsys.readouterr().out
     assert "jetson-orin-nano" in out and "slowest stage:" in out
     assert "the plant file's split:" in out and "(1.00x the plan's)" in out
+    # The example's boxes have disks, and fp32 nodes read a checkpoint the estimate leaves out.
+    assert re.search(r"^pi-1 +not estimated for fp32 weights", out, re.MULTILINE), out
 
 
 # -- what the cost model is made of ----------------------------------------------------------
@@ -423,6 +427,26 @@ def test_boxes_and_stages_name_each_other(tmp_path: Path, smollm2_dir: Path) -> 
                                               model))
     assert "boxes[0].memory_mb" in message and "boxes[0].speed" in message
     assert "boxes[1].sped: unknown field — did you mean 'speed'?" in message
+
+
+def test_a_boxs_disk_rates_and_their_errors(tmp_path: Path, smollm2_dir: Path) -> None:
+    model = build_tiny("llama", tmp_path / "m", smollm2_dir)
+    path = tmp_path / "plant.yaml"
+    path.write_text(yaml.safe_dump(plant_data(
+        [{"name": "a", "memory_mb": 100, "disk": {"read_mb_s": 90, "write_mb_s": 30}},
+         {"name": "b", "memory_mb": 100}], model)))
+    disks = [box.disk for stage in plant_boxes(load_plant(path)) for box in stage]
+    assert disks == [DiskSpec(read_mb_s=90, write_mb_s=30), None]
+    assert disks[0] is not None and disks[0].read_s(90_000_000) == pytest.approx(1.0)
+    message = load_error(tmp_path, plant_data(
+        [{"name": "a", "memory_mb": 100, "disk": {"read_mb_s": 0, "write_mb_s": 60_000_000}},
+         {"name": "b", "memory_mb": 100, "disk": {"read_mbs": 60}}], model))
+    assert "boxes[0].disk.read_mb_s: Input should be greater than 0" in message
+    # Bytes a second where MB a second are asked for.
+    assert ("boxes[0].disk.write_mb_s: 6e+07 MB/s is faster than any drive (the fastest NVMe "
+            "read ~14,000): the rate is in MB/s") in message
+    assert "boxes[1].disk.read_mbs: unknown field — did you mean 'read_mb_s'?" in message
+    assert "boxes[1].disk.write_mb_s: required field is missing" in message
 
 
 def test_planning_needs_boxes(tmp_path: Path, smollm2_dir: Path) -> None:
@@ -557,3 +581,35 @@ def test_init_budgets_are_planned_as_init_writes_them(tmp_path: Path) -> None:
     assert memory.unheld_share == 0 and memory.kv == 4 * 280 * MIB
     # A range whose budget already holds more keeps the budget's whole shares.
     assert stages[0][0].memory(costs, (0, 1)).kv == (128 // 20) * 20 * MIB
+
+
+def test_a_first_start_reads_the_share_and_writes_the_stage_file_on_the_box(
+        tmp_path: Path) -> None:
+    """A llama.cpp node cuts its stage file on its box at first start: it reads its share of
+    the GGUF and writes the file, stand-in of zeros included (never read); the whole model
+    is read alone, and a torch node's reads are not estimated."""
+    plant = load_plant(seed_plant_8b(tmp_path, kv_budget_mb=160, prompt=1024, tokens=256))
+    costs = llama3_costs(llamacpp_shape(plant.model))
+    card = DiskSpec(read_mb_s=60, write_mb_s=30)
+    stages = [tuple(replace(box, disk=card) for box in stage) for stage in plant_boxes(plant)]
+    pi = stages[0][0]
+    estimate = first_start(costs, pi, (0, 9))
+    assert estimate is not None
+    share = 9 * LLAMA3_8B_Q4_0_LAYER + LLAMA3_8B_Q4_0_VOCAB  # its layers and the embedding
+    assert estimate.read_bytes == share
+    assert estimate.write_bytes == estimate.stage_bytes == share + standin_bytes(4096, 128256)
+    assert estimate.total_s == pytest.approx(share / 60e6 + estimate.write_bytes / 30e6)
+    assert estimate.later_s == pytest.approx(estimate.stage_bytes / 60e6)
+    whole = first_start(costs, pi, (0, 32))
+    assert whole is not None and whole.write_bytes == 0
+    assert whole.total_s == whole.later_s == pytest.approx(costs.weight_bytes((0, 32), "gguf")
+                                                           / 60e6)
+    assert first_start(costs, replace(pi, weights="int8"), (0, 9)) is None
+    assert first_start(costs, replace(pi, disk=None), (0, 9)) is None
+    # `edgebus plan` prints it a box a line, in seconds of each box's disk.
+    table = first_start_table(plan(costs, stages), costs)
+    assert table is not None
+    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+    assert list(rows) == ["pi-1", "pi-2", "jetson"]
+    assert re.search(r"60 / 30 +\d+ +\d+ +\d+ \+ \d+ = \d+ s +\d+ s$", rows["pi-1"]), table
+    assert first_start_table(plan(costs, plant_boxes(plant)), costs) is None

@@ -15,7 +15,9 @@ import pytest
 
 from edgebus.core.errors import EdgebusError
 from edgebus.rehearse import Options, even_variant, netns, one_box_variant
-from edgebus.rehearse.report import Prediction, cycle_time, predict
+from edgebus.rehearse.cgroups import DiskBytes
+from edgebus.rehearse.rehearsal import Online
+from edgebus.rehearse.report import Prediction, cycle_time, first_start_table, predict
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from edgebus.rehearse.workload import ROWS_PER_GROUP
 from plant_config import BrokerSettings, Plant, StageSpec
@@ -27,7 +29,7 @@ from plant_config.planner import (
     PartBytes,
     PartCost,
 )
-from plant_config.schema import BoxSpec, Speculation
+from plant_config.schema import BoxSpec, DiskSpec, Speculation
 
 
 def seed_plant(model: Path, url: str = "mqtt://jetson:1883") -> Plant:
@@ -223,3 +225,34 @@ def test_the_subnet_avoids_every_route_gateway_and_address_but_the_default() -> 
     assert {str(net) for net in blocked} == {
         "10.64.7.1/32", "10.70.0.1/32", "10.80.0.0/16", "10.80.0.5/32", "10.90.3.0/24",
         "10.100.9.9/32"}
+
+
+def test_the_first_start_table_sets_each_box_beside_its_share_at_its_rate(
+        tmp_path: Path) -> None:
+    """pi-1 (a 100 MB/s card) took 30 s to start, where its 2,000 MB share reads in 20 s and
+    the cut reads and writes 2,000 MB each: 1.5x, an estimate of 40 s."""
+    layer = PartBytes(0, 0, 0, 0, gguf=500_000_000)
+    nothing = PartBytes(0, 0, 0, 0)
+    costs = ModelCosts(layers=(PartCost(1.0, 1.0, 1.0),) * 8, embedding=PartCost(0.0, 0.0, 0.0),
+                       head=PartCost(0.0, 0.0, 0.0), layer_bytes=(layer,) * 8,
+                       embedding_bytes=nothing, head_bytes=nothing, tied=False, baseline_bytes=0)
+    card = DiskSpec(read_mb_s=100, write_mb_s=100)
+    plant = Plant(plant_id="p", topic_root="edgebus/p",
+                  broker=BrokerSettings(url="mqtt://pi-1:1883"), model=tmp_path,
+                  boxes=[BoxSpec(name="pi-1", memory_mb=4096, disk=card),
+                         BoxSpec(name="pi-2", memory_mb=4096)],
+                  stages=[StageSpec(node="pi-1", layers=(0, 4), weights="gguf"),
+                          StageSpec(node="pi-2", layers=(4, 8), weights="gguf")])
+    table = first_start_table(plant, costs, {"pi-1": Online(
+        seconds=30.0, cpu_s=12.0, disk=DiskBytes(read=2000 << 20, written=2001 << 20))})
+    header, pi_1, pi_2 = (line.split("  ") for line in table.splitlines())
+    cells = [[cell.strip() for cell in row if cell.strip()] for row in (header, pi_1, pi_2)]
+    assert cells[0][:4] == ["box", "disk MB/s r/w", "first start", "CPU"]
+    assert cells[1] == ["pi-1", "100 / 100", "30 s", "12 s", "20 s", "1.50x", "40 s", "2000",
+                        "2001"]
+    assert cells[2] == ["pi-2", "-", "-", "-", "-", "-", "-", "-", "-"]
+    # A box that read its share from the page cache did not start at its disk's rate.
+    cached = first_start_table(plant, costs, {"pi-1": Online(3.0, 2.0, DiskBytes(0, 2001 << 20))})
+    assert cached.splitlines()[-1].startswith(
+        "warning: box pi-1 read 0 of the 1907 MiB its cut reads from its disk; the rest was "
+        "in the page cache"), cached

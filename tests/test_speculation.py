@@ -158,6 +158,38 @@ def test_drafting_pauses_where_drafts_keep_missing() -> None:
     assert drafts.propose(longer, room=100)  # probes again once the text has moved on
 
 
+def _taken(drafts: Drafts, taken: int, missed: int) -> Drafts:
+    """`drafts` after `taken` drafts were taken and `missed` were not."""
+    for draft in range(taken + missed):
+        drafts.ahead = [Draft(draft, 5)]
+        drafts.settle(5 if draft < taken else 6)
+    return drafts
+
+
+def test_a_frame_carries_the_positions_that_bring_most_tokens_for_their_cost() -> None:
+    """Positions per frame: the window over a frame per stage, at most what every stage
+    verifies in one call, then as many as pay for what the stages measured them to cost
+    at the acceptance seen lately."""
+    cheap = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7)
+    drafts = _taken(Drafts(Speculation(drafts=16)), taken=JUDGE_DRAFTS, missed=0)
+    drafts.window = 16
+    assert drafts.positions_per_frame(2, cheap) == 8
+    assert drafts.positions_per_frame(4, cheap) == 4  # a frame for every stage
+    assert drafts.positions_per_frame(2, cheap[:3]) == 3  # what every stage verifies
+    # k positions costing k steps: no frame of several pays, whatever is taken.
+    assert drafts.positions_per_frame(2, (1.0, 2.0, 3.0, 4.0)) == 1
+    # SmolLM2's stages on the Intel Xeon VM (docs/row-exactness.md): 4 positions 2.0x one.
+    smollm2 = (1.0, 1.45, 1.75, 2.0)
+    assert drafts.positions_per_frame(1, smollm2) == 4
+    rarely = _taken(Drafts(Speculation(drafts=16)), taken=4, missed=12)
+    rarely.window = 16
+    assert rarely.positions_per_frame(1, smollm2) == 1
+    pinned = Drafts(Speculation(drafts=16, positions_per_frame=3))
+    pinned.window = 16
+    assert pinned.positions_per_frame(1, (1.0, 2.0, 3.0, 4.0)) == 3
+    assert pinned.positions_per_frame(1, (1.0, 2.0)) == 2  # never past exact_rows
+
+
 # -- rollback in the engine ------------------------------------------------------
 
 
@@ -339,10 +371,12 @@ async def test_a_token_and_its_drafts_leave_as_one_frame_where_stages_verify_row
     """With every stage verifying several positions in one call (Q4_1, on a CPU where its
     rows stay exact), the token and the drafts behind it leave as frames of several
     positions, and the answers are still llama.cpp's, token for token. Where a stage's rows
-    do not stay exact (`exact_rows` 1), no such frame leaves at all."""
+    do not stay exact (`exact_rows` 1), no such frame leaves at all. The count is pinned:
+    chosen from costs timed at load, it would depend on what else the box runs."""
     model = requantize(drafting_llama / GGUF_FILE, tmp_path / "drafting-Q4_1.gguf",
                        gguf.GGMLQuantizationType.Q4_1)
-    plant = _plant(model, amqtt_broker, SPLITS["2-stages"], Speculation(drafts=4))
+    plant = _plant(model, amqtt_broker, SPLITS["2-stages"],
+                   Speculation(drafts=4, positions_per_frame=4))
     reqs = quoting()
     async with running(plant) as stages:
         responses = [await ask(plant, r, client_id="gw") for r in reqs]

@@ -36,12 +36,14 @@ class BusError(EdgebusError):
 
 
 class RequestError(EdgebusError):
-    """A gateway request is invalid. `code` goes into the error response."""
+    """A gateway request is invalid or refused. `code` goes into the error response, and
+    `retry_after_s`, for a refusal that asks for a retry (`busy`), how long to wait first."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class PromptFileError(EdgebusError):

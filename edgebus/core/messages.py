@@ -40,6 +40,9 @@ MAX_TOP_K = 2**16 - 1
 MAX_NUMBER_CHARS = 40
 # A task's variables are a PLC's tag values: a handful, never a table.
 MAX_TASK_VARS = 64
+# The longest wait for a start a request can ask for (a day): the plant's own
+# coordinator.max_wait_s bounds it further; this keeps the number a plain one anywhere.
+MAX_WAIT_S = 86400.0
 
 # A task variable's value, as JSON gives it (plant_config/tasks.py checks its declared type).
 # parse_request bounds its numbers (MAX_NUMBER_CHARS, finite).
@@ -74,6 +77,10 @@ class GenerateRequest(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     reply_to: str | None = Field(default=None, min_length=1, max_length=512)
+    # Seconds it may wait for the plant to start it, at most the plant's
+    # coordinator.max_wait_s (a longer one is refused, code `max_wait`); past it, `busy`.
+    # 0: answered `busy` at once if it cannot start. None: the plant's.
+    max_wait_s: float | None = Field(default=None, ge=0.0, le=MAX_WAIT_S)
 
     @field_validator("id")
     @classmethod
@@ -108,6 +115,8 @@ class CancelRequest(_Strict):
 class ErrorInfo(BaseModel):
     code: str
     message: str
+    # With `busy`: seconds to wait before sending the request again (same id).
+    retry_after_s: float | None = None
 
 
 class Usage(BaseModel):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -79,8 +80,9 @@ DEFAULT_LISTEN = "127.0.0.1:8000"
 # coordinator refuses past MAX_REQUEST_BYTES: a bigger body is refused here,
 # before it is read whole.
 MAX_BODY_BYTES = MAX_REQUEST_BYTES
-# What a 429 asks a client to wait. A request on an edge plant takes seconds,
-# so a second or two frees a slot; OpenAI's clients honour it and back off.
+# What a 429 of this gateway's own limit asks a client to wait. A request on an edge
+# plant takes seconds, so a second or two frees a slot; OpenAI's clients honour it and
+# back off. The coordinator's `busy` says how long itself (retry_after_s).
 RETRY_AFTER_S = 2
 # How long start-up waits for the broker connection before serving anyway
 # (requests get 503 until it is up): a broker restarting takes a second or two.
@@ -99,7 +101,8 @@ QUEUE_SLACK = 16
 EXTRA_CONNECTIONS = 64
 # Coordinator error codes that mean the request itself must change.
 _CLIENT_ERRORS = frozenset({"too_large", "not_utf8", "invalid_json", "invalid_request", "top_k",
-                            "reply_to", "max_tokens", "prompt_length", "too_long"})
+                            "reply_to", "max_tokens", "prompt_length", "too_long",
+                            "max_wait"})
 # The others that have a status of their own; any other code is the plant failing (502).
 _PLANT_STATUS = {"busy": 429, "unavailable": 503, "timeout": 504}
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -125,14 +128,16 @@ class HttpError(Exception):
                             headers=self.headers)
 
 
-def busy(message: str, code: str = "busy") -> HttpError:
-    return HttpError(429, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+def busy(message: str, code: str = "busy", retry_after_s: float = RETRY_AFTER_S) -> HttpError:
+    # Retry-After counts whole seconds: rounded up, so a client never comes back too early.
+    return HttpError(429, message, code=code,
+                     headers={"Retry-After": str(math.ceil(retry_after_s))})
 
 
 def plant_error(error: ErrorInfo) -> HttpError:
     """The HTTP answer to the coordinator's error response."""
     if error.code == "busy":
-        return busy(error.message)
+        return busy(error.message, retry_after_s=error.retry_after_s or RETRY_AFTER_S)
     status = 400 if error.code in _CLIENT_ERRORS else _PLANT_STATUS.get(error.code, 502)
     return HttpError(status, error.message, code=error.code)
 
@@ -566,13 +571,15 @@ class HttpGateway:
                 "password (`edgebus broker mosquitto-config PLANT OUTDIR`) and restart the "
                 "broker, or pass --client with a gateway that is listed")
         self.plant = plant
-        # The coordinator answers within these itself (`unavailable` after
-        # stage_wait_s, a step's `timeout` after request_timeout_s), so the
-        # gateway's own 504 is for a coordinator that says nothing at all.
-        timeout = timeout_s or plant.coordinator.request_timeout_s + plant.liveness.stage_wait_s
-        # More than the coordinator admits from one gateway would only be refused
-        # there; fewer would turn away what the plant could serve.
-        limit = max_in_flight or plant.coordinator.client_limit
+        # The coordinator answers within these itself (`busy` after max_wait_s in its
+        # waiting room, `unavailable` after stage_wait_s, a step's `timeout` after
+        # request_timeout_s), so the gateway's own 504 is for a coordinator that says
+        # nothing at all.
+        timeout = timeout_s or (plant.coordinator.max_wait_s + plant.coordinator.request_timeout_s
+                                + plant.liveness.stage_wait_s)
+        # More than the coordinator starts from one gateway and its waiting room holds
+        # would only be refused there; fewer would turn away what the plant could serve.
+        limit = max_in_flight or plant.coordinator.client_limit + plant.coordinator.max_queue
         self.gateway = Gateway(plant, self.client_id, timeout_s=timeout, max_in_flight=limit)
         self.server = uvicorn.Server(uvicorn.Config(
             create_app(plant, self.gateway, self.keys), host=self.host, port=self.port,

@@ -47,6 +47,9 @@ class _Request(BaseModel):
     # vLLM's extension (openai clients send it in extra_body): generate exactly
     # max_tokens, for benchmarks and tests that need a known length.
     ignore_eos: bool = False
+    # edgebus's extension (extra_body): how long the request may wait for the plant to
+    # start it, within the plant's coordinator.max_wait_s (GenerateRequest.max_wait_s).
+    max_wait_s: float | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> _Request:
@@ -76,7 +79,7 @@ class _Request(BaseModel):
         # Always streamed from the coordinator: the gateway then hears of every
         # token, and its timeout is a time without word, not a cap on length.
         knobs: dict[str, Any] = {"stream": True, "ignore_eos": self.ignore_eos}
-        for name in ("max_tokens", "temperature", "top_p", "seed"):
+        for name in ("max_tokens", "temperature", "top_p", "seed", "max_wait_s"):
             value = getattr(self, name)
             if value is not None:
                 knobs[name] = value

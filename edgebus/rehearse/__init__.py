@@ -25,7 +25,7 @@ from edgebus.core.errors import EdgebusError
 from edgebus.rehearse.fit import check_boxes
 from edgebus.rehearse.prompt_file import FileRequest, check_for_plant, read_prompt_file
 from edgebus.rehearse.rehearsal import Options, Rehearsal
-from edgebus.rehearse.report import box_table, predict, summary
+from edgebus.rehearse.report import box_table, first_start_table, predict, summary
 from edgebus.rehearse.sizing import box_shares
 from edgebus.rehearse.workload import (
     ROWS_PER_GROUP,
@@ -184,6 +184,10 @@ def run_rehearse(plant_path: Path, options: Options, *, requests: int | None, to
                   + (f" / {rehearsal.coordinator_box}"
                      if rehearsal.coordinator_box != rehearsal.broker_box else ""))
             print(box_table(rehearsal.plant, measured, prediction))
+            print("first start (started to online: the cut and the load) and the CPU its box "
+                  "used by then, against reading the box's share at its disk's read rate; read "
+                  "and written: what its io controller counted\n"
+                  + first_start_table(rehearsal.plant, costs, rehearsal.online))
             print(summary(rehearsal.plant, measured, prediction) + "\n")
         _, first, first_p = results[0]
         for name, other, other_p in results[1:]:

@@ -1,11 +1,14 @@
-"""A box's CPU and memory: one control group per box, on cgroup v1 or v2 behind one interface.
+"""A box's CPU, memory and disk: one control group per box, on cgroup v1 or v2 behind one
+interface.
 
 v2 (one unified tree, most current distributions) and v1 (a tree per
 controller, older ones and many containers) name the same limits differently:
 `cpu.max` against `cpu.cfs_quota_us` / `cpu.cfs_period_us`, `memory.max`
 against `memory.limit_in_bytes`, `memory.events`' `oom_kill` against
-`memory.oom_control`'s. `open_tree` picks the one this machine has writable,
-or says what is missing.
+`memory.oom_control`'s, `io.max`'s rbps and wbps against blkio's
+`throttle.read_bps_device` and `throttle.write_bps_device`. `open_tree` picks
+the one this machine has writable, or says what is missing. The io controller
+is optional: only a box with a `disk:` needs it (`set_disk` says what lacks).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -28,7 +32,16 @@ PREFIX = "edgebus-rehearse-"
 
 
 class CgroupError(RuntimeError):
-    """What this machine lacks for per-box CPU and memory limits."""
+    """What this machine lacks for per-box CPU, memory and disk limits."""
+
+
+@dataclass(frozen=True)
+class DiskBytes:
+    """Bytes a group's processes have read from and written to block devices: what the io
+    controller metered, whichever process's page cache they went through."""
+
+    read: int
+    written: int
 
 
 class BoxGroup(ABC):
@@ -69,6 +82,15 @@ class BoxGroup(ABC):
     @abstractmethod
     def set_cpu(self, cpu_cores: float | None) -> None:
         """Change the CPU quota; None lifts it."""
+
+    @abstractmethod
+    def set_disk(self, devices: list[str], read_bps: int, write_bps: int) -> None:
+        """Hold reads and writes on each block device of `devices` ("MAJ:MIN") to these
+        bytes a second."""
+
+    @abstractmethod
+    def disk_bytes(self) -> DiskBytes | None:
+        """What the group has read and written on block devices (None: no io controller)."""
 
     @abstractmethod
     def dirs(self) -> list[Path]:
@@ -112,9 +134,10 @@ def _quota_us(cpu_cores: float) -> int:
 
 
 class _V1Group(BoxGroup):
-    def __init__(self, name: str, cpu: Path, cpuacct: Path, memory: Path) -> None:
+    def __init__(self, name: str, cpu: Path, cpuacct: Path, memory: Path,
+                 blkio: Path | None) -> None:
         super().__init__(name)
-        self.cpu, self.cpuacct, self.memory = cpu, cpuacct, memory
+        self.cpu, self.cpuacct, self.memory, self.blkio = cpu, cpuacct, memory, blkio
 
     def procs_files(self) -> list[Path]:
         return [path / "cgroup.procs" for path in self.dirs()]
@@ -151,8 +174,29 @@ class _V1Group(BoxGroup):
         quota = -1 if cpu_cores is None else _quota_us(cpu_cores)
         (self.cpu / "cpu.cfs_quota_us").write_text(str(quota))
 
+    def set_disk(self, devices: list[str], read_bps: int, write_bps: int) -> None:
+        if self.blkio is None:
+            raise CgroupError(f"the blkio controller (cgroup v1's io controller, mounted at "
+                              f"{CGROUP_ROOT / V1Tree.IO_CONTROLLER}), which holds a box to "
+                              "its disk: rates — mount it, or leave the boxes' disk: out")
+        for device in devices:
+            (self.blkio / "blkio.throttle.read_bps_device").write_text(f"{device} {read_bps}")
+            (self.blkio / "blkio.throttle.write_bps_device").write_text(
+                f"{device} {write_bps}")
+
+    def disk_bytes(self) -> DiskBytes | None:
+        if self.blkio is None:
+            return None
+        # "MAJ:MIN Read N" lines, a device each; a "Total N" line last
+        counts = {"Read": 0, "Write": 0}
+        for line in (self.blkio / "blkio.throttle.io_service_bytes").read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] in counts:
+                counts[parts[1]] += int(parts[2])
+        return DiskBytes(counts["Read"], counts["Write"])
+
     def dirs(self) -> list[Path]:
-        return [self.cpu, self.cpuacct, self.memory]
+        return [self.cpu, self.cpuacct, self.memory] + ([self.blkio] if self.blkio else [])
 
 
 class V1Tree(CgroupTree):
@@ -160,15 +204,18 @@ class V1Tree(CgroupTree):
 
     version = "v1"
     CONTROLLERS = ("cpu", "cpuacct", "memory")
+    # Optional: only a box with a disk: rate needs it.
+    IO_CONTROLLER = "blkio"
 
     def _run_dirs(self) -> list[Path]:
-        return [CGROUP_ROOT / controller / f"{PREFIX}{self.run}" for controller in self.CONTROLLERS]
+        controllers = self.CONTROLLERS + ((self.IO_CONTROLLER,) if _v1_io() else ())
+        return [CGROUP_ROOT / controller / f"{PREFIX}{self.run}" for controller in controllers]
 
     def create(self, box: str, cpu_cores: float, memory_bytes: int) -> BoxGroup:
         for parent in self._run_dirs():
             parent.mkdir(exist_ok=True)
-        cpu, cpuacct, memory = (parent / box for parent in self._run_dirs())
-        group = _V1Group(box, cpu, cpuacct, memory)
+        cpu, cpuacct, memory, *blkio = (parent / box for parent in self._run_dirs())
+        group = _V1Group(box, cpu, cpuacct, memory, blkio[0] if blkio else None)
         self.groups.append(group)
         for path in group.dirs():
             path.mkdir()
@@ -212,6 +259,28 @@ class _V2Group(BoxGroup):
         quota = "max" if cpu_cores is None else str(_quota_us(cpu_cores))
         (self.path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
 
+    def set_disk(self, devices: list[str], read_bps: int, write_bps: int) -> None:
+        io_max = self.path / "io.max"
+        if not io_max.exists():
+            raise CgroupError(f"the io controller in {self.path.parent.parent}'s "
+                              "cgroup.controllers, which holds a box to its disk: rates — "
+                              "enable it (it may be held by a cgroup v1 blkio mount), or "
+                              "leave the boxes' disk: out")
+        for device in devices:
+            io_max.write_text(f"{device} rbps={read_bps} wbps={write_bps}")
+
+    def disk_bytes(self) -> DiskBytes | None:
+        stat = self.path / "io.stat"
+        if not stat.exists():
+            return None
+        # "MAJ:MIN rbytes=N wbytes=N rios=N ..." lines, a device each
+        read = written = 0
+        for line in stat.read_text().splitlines():
+            fields = dict(item.split("=") for item in line.split()[1:])
+            read += int(fields.get("rbytes", 0))
+            written += int(fields.get("wbytes", 0))
+        return DiskBytes(read, written)
+
     def dirs(self) -> list[Path]:
         return [self.path]
 
@@ -232,7 +301,15 @@ class V2Tree(CgroupTree):
         parent = self._run_dirs()[0]
         if not parent.exists():
             parent.mkdir()
-            (parent / "cgroup.subtree_control").write_text("+cpu +memory")
+            controllers = "+cpu +memory"
+            if "io" in (self.root / "cgroup.controllers").read_text().split():
+                # Delegated from the root down, so the boxes' groups have io.max and io.stat;
+                # where the root refuses, a box with a disk: says what lacks (set_disk).
+                with contextlib.suppress(OSError):
+                    (self.root / "cgroup.subtree_control").write_text("+io")
+            if "io" in (parent / "cgroup.controllers").read_text().split():
+                controllers += " +io"
+            (parent / "cgroup.subtree_control").write_text(controllers)
         group = _V2Group(box, parent / box)
         self.groups.append(group)
         group.path.mkdir()
@@ -272,6 +349,10 @@ def missing() -> list[str]:
             f"both (in {CGROUP_ROOT}/cgroup.controllers) nor cgroup v1's "
             f"{', '.join(V1Tree.CONTROLLERS)} hierarchies under {CGROUP_ROOT} — mount them, or "
             "run in a container started with its own cgroup namespace writable"]
+
+
+def _v1_io() -> bool:
+    return (CGROUP_ROOT / V1Tree.IO_CONTROLLER / "blkio.throttle.read_bps_device").is_file()
 
 
 def _v1_root_ok() -> bool:

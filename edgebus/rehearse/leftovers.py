@@ -138,7 +138,8 @@ def _clean_run(run: str, removed: list[str]) -> None:
 def _group_dirs(group: str) -> list[Path]:
     """The run's group directories, once each (cgroup v1 may mount cpu and cpuacct together)."""
     roots = [cgroups.CGROUP_ROOT, cgroups.CGROUP_ROOT / "unified",
-             *(cgroups.CGROUP_ROOT / c for c in cgroups.V1Tree.CONTROLLERS)]
+             *(cgroups.CGROUP_ROOT / c for c in (*cgroups.V1Tree.CONTROLLERS,
+                                                 cgroups.V1Tree.IO_CONTROLLER))]
     found = {(root / group).resolve() for root in roots if (root / group).is_dir()}
     return sorted(found)
 

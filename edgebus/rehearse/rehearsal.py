@@ -33,7 +33,7 @@ from types import FrameType, TracebackType
 from edgebus.core.errors import EdgebusError
 from edgebus.core.memory_limits import describe_kill, rss_bytes
 from edgebus.core.processes import child_setup
-from edgebus.rehearse import cgroups, leftovers, netns
+from edgebus.rehearse import cgroups, disk, leftovers, netns
 from edgebus.rehearse.sizing import BoxShare, box_shares, broker_box, coordinator_box
 from plant_config import Plant, write_plant
 from plant_config.broker_section import BrokerTls
@@ -63,6 +63,16 @@ class Options:
     coordinator_box: str | None = None
     # Request groups the coordinator keeps in flight; None: its default (one per stage).
     batch_groups: int | None = None
+
+
+@dataclass(frozen=True)
+class Online:
+    """An agent's first start, its process started to its first "online" (a stage's cut and
+    load), and what its box had used by then: whether its disk or its CPU bound it."""
+
+    seconds: float
+    cpu_s: float  # its box's CPU time, a broker's and coordinator's there included
+    disk: cgroups.DiskBytes | None  # what its box read and wrote (None: no io controller)
 
 
 def missing() -> list[str]:
@@ -110,6 +120,7 @@ class Rehearsal:
         self._saved_handlers: dict[int, object] = {}
         self.last_rss: dict[str, int] = {}  # agent -> its RSS when last seen (watch_memory)
         self.started_at: dict[str, float] = {}  # agent -> time.monotonic() of its start
+        self.online: dict[str, Online] = {}  # agent -> its first start (came_online)
         # agent -> what the plan counted for it, in words (run_rehearse's fit check)
         self.planned: dict[str, str] = {}
 
@@ -156,13 +167,25 @@ class Rehearsal:
         leftovers.record(self.run_id)  # before anything is built: --clean finds it all
         self.network.create()
         self.tree = cgroups.open_tree(self.run_id)
+        # What a box reads and writes at first start: the model, and its stage files in the
+        # agents' $EDGEBUS_HOME here.
+        stored = [self.source.model, self.workdir]
+        limited = disk.devices(stored) if any(s.disk for s in self.shares) else []
         for share in self.shares:
             link = self.network.add_box(share.box, share.link_mbit)
-            self.groups[share.box] = self.tree.create(share.box, share.cpu_cores,
-                                                      share.memory_bytes)
+            group = self.groups[share.box] = self.tree.create(share.box, share.cpu_cores,
+                                                              share.memory_bytes)
+            if share.disk is not None:
+                group.set_disk(limited, round(share.disk.read_mb_s * 1e6),
+                               round(share.disk.write_mb_s * 1e6))
             self.progress(f"  {share.box}: {link.address}, {share.cpu_cores:.2f} cores, "
                           f"{share.memory_bytes >> 20} MiB, link "
-                          + (f"{share.link_mbit:g} Mbit/s" if share.link_mbit else "unlimited"))
+                          + (f"{share.link_mbit:g} Mbit/s" if share.link_mbit else "unlimited")
+                          + ", disk " + (f"{share.disk.read_mb_s:g} / {share.disk.write_mb_s:g} "
+                                         f"MB/s read / write on {', '.join(limited)}"
+                                         if share.disk else "unlimited"))
+        # Every box reads the model from disk, at its own rate where it has one.
+        disk.drop_from_cache([self.source.model])
         self.plant = self._rewritten()
         write_plant(self.plant, self.plant_path)
 
@@ -310,6 +333,13 @@ class Rehearsal:
     def stop_agent(self, agent: str) -> None:
         """Stop `agent` as systemd would (SIGTERM, then SIGKILL), if it runs."""
         self._terminate([agent])
+
+    def came_online(self, agent: str) -> None:
+        """Note `agent`'s first start as it ends (the first time it is seen online)."""
+        if agent not in self.online:
+            group = self.groups[self.box_of[agent]]
+            self.online[agent] = Online(seconds=time.monotonic() - self.started_at[agent],
+                                        cpu_s=group.cpu_usage_s(), disk=group.disk_bytes())
 
     def pid(self, agent: str) -> int:
         return self.procs[agent].pid

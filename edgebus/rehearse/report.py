@@ -29,15 +29,21 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from edgebus.rehearse.rehearsal import Online
 from edgebus.rehearse.sizing import BoxShare
 from edgebus.rehearse.workload import ROWS_PER_GROUP, Measurement, decode_step_ms
+from plant_config.first_start import first_start, seconds
 from plant_config.layout import show
-from plant_config.planner import MessageCost, ModelCosts
+from plant_config.planner import MessageCost, ModelCosts, plant_boxes
 from plant_config.schema import Plant
+from plant_config.stage_memory import MIB
 
 # Major faults a box may take in a workload without paging its weights: a library or
 # two mapped late, never a pass's worth of weight pages (thousands).
 PAGING_FAULTS = 100
+# Below this share of what its cut reads, a box's first start read from the page cache, not
+# its disk: a page of the model's another box has read, or another process maps.
+CACHED_READS = 0.9
 # A hop's CPU where the profile has none (no Mosquitto where it was measured):
 # the prediction then leaves hops out, and says so.
 _UNMEASURED = MessageCost(agent_ms=0.0, broker_ms=0.0)
@@ -148,6 +154,42 @@ def box_table(plant: Plant, measured: Measurement, prediction: Prediction) -> st
             _kib_per(after.bytes_out - before.bytes_out, steps),
             str(after.major_faults - before.major_faults)))
     return _columns(rows)
+
+
+def first_start_table(plant: Plant, costs: ModelCosts, online: dict[str, Online]) -> str:
+    """Per stage node: its first start (its process started to "online": the cut and the
+    load) and the CPU its box used by then, beside the time its box's disk takes to read
+    its share (the stage file) and the planner's estimate (the cut's read and write,
+    plant_config/first_start.py), and what its box's io controller counted."""
+    header = ("box", "disk MB/s r/w", "first start", "CPU", "share at read rate", "x share",
+              "estimate (read + write)", "read MiB", "written MiB")
+    rows: list[tuple[str, ...]] = [header]
+    warnings = []
+    boxes = {box.node: box for stage in plant_boxes(plant) for box in stage}
+    for spec in plant.stages:
+        started = online.get(spec.node)
+        measured = started.seconds if started else None
+        estimate = first_start(costs, boxes[spec.node], spec.layers)
+        counted = started.disk if started else None
+        if estimate and counted and counted.read < CACHED_READS * estimate.read_bytes:
+            warnings.append(
+                f"warning: box {spec.node} read {counted.read / MIB:.0f} of the "
+                f"{estimate.read_bytes / MIB:.0f} MiB its cut reads from its disk; the rest "
+                "was in the page cache (another box read it first, or another process on "
+                "this machine maps or reads the model), so its first start is short of what "
+                "its disk would take")
+        rows.append((
+            spec.node,
+            f"{estimate.disk.read_mb_s:g} / {estimate.disk.write_mb_s:g}" if estimate else "-",
+            f"{seconds(measured)} s" if measured is not None else "-",
+            f"{seconds(started.cpu_s)} s" if started else "-",
+            f"{seconds(estimate.later_s)} s" if estimate else "-",
+            f"{measured / estimate.later_s:.2f}x" if estimate and measured is not None
+            and estimate.later_s else "-",
+            f"{seconds(estimate.total_s)} s" if estimate else "-",
+            f"{counted.read / MIB:.0f}" if counted else "-",
+            f"{counted.written / MIB:.0f}" if counted else "-"))
+    return "\n".join([_columns(rows), *warnings])
 
 
 def _kib_per(n_bytes: int, steps: float) -> str:

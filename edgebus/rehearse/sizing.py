@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from edgebus.core.errors import EdgebusError
 from edgebus.core.processes import cores
-from plant_config.schema import Plant
+from plant_config.schema import DiskSpec, Plant
 
 MIB = 1 << 20
 # Cores all boxes together get by default. Not the whole machine: the
@@ -32,6 +32,7 @@ class BoxShare:
     cpu_cores: float
     memory_bytes: int
     link_mbit: float | None
+    disk: DiskSpec | None = None
 
 
 def box_shares(plant: Plant, *, cpu_total: float | None = None,
@@ -52,7 +53,7 @@ def box_shares(plant: Plant, *, cpu_total: float | None = None,
     return [BoxShare(box=box.name, speed=box.speed,
                      cpu_cores=min(MAX_BOX_CORES, total * box.speed / speeds),
                      memory_bytes=int(box.memory_mb * memory_scale * MIB),
-                     link_mbit=box.link_mbit)
+                     link_mbit=box.link_mbit, disk=box.disk)
             for box in plant.boxes]
 
 

@@ -180,6 +180,7 @@ async def wait_online(rehearsal: Rehearsal, client: Client, *, since: float = 0.
         online = {a for a in agents if (s := client.observer.statuses.get(a)) is not None
                   and s.state == "online" and s.pid == rehearsal.pid(a) and s.ts >= since}
         for agent in sorted(online - reported):
+            rehearsal.came_online(agent)
             rehearsal.progress(f"  {agent} online")
         reported |= online
         if online == set(agents):

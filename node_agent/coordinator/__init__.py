@@ -10,6 +10,7 @@ request meets them:
 
 - agent.py: the agent, its rooms wired to the plant's bus; `edgebus coordinator`.
 - intake.py: a request message parsed, admitted, journaled, answered once.
+- waiting_room.py: requests the plant cannot start yet, bounded, fair across gateways.
 - token_loop.py: an admitted request's steps through the stages, and sampling.
 - routing.py: routes over the stages' replica nodes, and failover.
 - drafting.py: speculation drafts sent behind a request's token.

@@ -83,9 +83,10 @@ class Coordinator:
         kv = {spec.node: kv_reservation(plant, spec.node, config) for spec in plant.stages}
         self._ready = asyncio.Event()  # every stage has a live node
         self._active: dict[int, Generation] = {}  # the requests in flight, by seq
-        # Every task this agent starts: at most max_in_flight requests being served,
-        # the broker's in-flight window of requests being admitted (they are
-        # acknowledged only once journaled or answered), and a few of its own.
+        # Every task this agent starts: at most max_in_flight requests being served and
+        # max_queue waiting for a slot, the broker's in-flight window of requests being
+        # admitted (they are acknowledged only once journaled or answered), and a few of
+        # its own.
         self._tasks: set[asyncio.Task[None]] = set()
         outbox = Outbox(batch_groups or len(pipeline), self._publish_frames,
                         self._stepping, max_frames=limits.max_frames)
@@ -107,6 +108,10 @@ class Coordinator:
                            (self.topics.cancel_filter, 1)],
             presence=presence(self.topics, self.agent_id, "coordinator", metrics=lambda: {
                 **self.counters, "in_flight": float(len(self._active)),
+                # The waiting room (an alarm storm): requests waiting for a slot, and how
+                # long the first of them has waited.
+                "queue": float(len(self.intake.room)),
+                "oldest_wait_s": round(self.intake.room.oldest_wait_s(), 1),
                 "statuses_dropped": float(self._statuses.dropped),
                 **self.bus.metrics()}),
             # Requests published while the coordinator is down wait in the broker,

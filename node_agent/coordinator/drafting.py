@@ -48,11 +48,11 @@ class Drafting:
         return len(self._active) <= self.settings.max_in_flight
 
     def feed(self, gen: Generation, drafts: Drafts, first: str, candidates: int, *,
-             exact_rows: int) -> None:
+             row_costs: Sequence[float]) -> None:
         """The decode step of a request that drafts: its token, unless a draft already
         carries it, with drafts behind it in its frame, then frames of drafts to keep
-        `drafts.window` in flight. `exact_rows`: the positions every stage of the route
-        verifies in one call.
+        `drafts.window` in flight. `row_costs`: what 1, 2, ... positions in one call cost
+        the route's stages, as many as every one of them verifies in one call.
 
         Each frame leaves as a message of its own, at once, outside the groups: a stage
         computes a message's rows as one batch, and the frames must follow their token in
@@ -61,7 +61,7 @@ class Drafting:
         token, position = gen.history[-1], len(gen.history) - 1
         rolling_back = drafts.rolling_back
         carried = drafts.settle(token)
-        per_frame = drafts.positions_per_frame(len(gen.nodes), exact_rows)
+        per_frame = drafts.positions_per_frame(len(gen.nodes), row_costs)
         may_draft = self.may_draft()
         # The last position a frame of this request may need: its KV reservation's end.
         room = gen.max_len - 1

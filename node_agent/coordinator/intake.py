@@ -1,17 +1,21 @@
 """Request intake: a request message parsed, admitted, journaled, generated once, answered.
 
-A request is journaled on disk (node_agent/journal.py) before it is
-acknowledged to the broker and forgotten once its answer has been; a
-coordinator that starts answers what its journal holds, and the broker
-delivers again what was never acknowledged. Answers are remembered by
-(client, id), so such a redelivery, or a gateway's retry, gets the first answer
-again instead of a second generation.
+A request the plant cannot start yet waits in the waiting room
+(waiting_room.py), fair across gateways, or is answered `busy` with a retry
+time past the room's bound or its deadline. A request is journaled on disk
+(node_agent/journal.py) once it is admitted, to start or to wait, and before
+it is acknowledged to the broker, and forgotten once its answer has been; a
+coordinator that starts answers what its journal holds, in the order the
+requests arrived, and the broker delivers again what was never acknowledged.
+Answers are remembered by (client, id), so such a redelivery, or a gateway's
+retry, gets the first answer again instead of a second generation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import secrets
 import time
@@ -36,6 +40,7 @@ from node_agent.coordinator.drafting import Drafting
 from node_agent.coordinator.generation import Generation
 from node_agent.coordinator.routing import Routes
 from node_agent.coordinator.token_loop import TokenLoop
+from node_agent.coordinator.waiting_room import Place, WaitingRoom
 from node_agent.journal import Entry, Journal
 from node_agent.reporter import Reporter
 from node_agent.text import prompt_ids
@@ -137,8 +142,10 @@ class Intake:
         self._counters = counters
         self._track = track
         self._answers = Answers()
-        self._by_key: dict[Key, Generation] = {}  # for cancels
-        self._per_client: collections.Counter[str] = collections.Counter()  # requests in flight
+        # Requests admitted, by key, for cancels: waiting, or in flight.
+        self._by_key: dict[Key, tuple[Generation, Place]] = {}
+        self.room = WaitingRoom(self.spec.max_in_flight, self.spec.client_limit,
+                                self.spec.max_queue)
         # Tokenizing a 256 KiB prompt takes a good fraction of a second: on the event
         # loop it would hold up every other request's step. One thread: requests being
         # admitted are few (the broker's in-flight window) and wait their turn. The
@@ -153,8 +160,10 @@ class Intake:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def resume(self, entries: Iterable[Entry]) -> None:
-        """Serve what a previous run left unanswered in the journal."""
-        for entry in entries:
+        """Serve what a previous run left unanswered in the journal, in the order it arrived:
+        requests that were in flight and those that waited take their places in the
+        waiting room in that order, the moment the broker connects."""
+        for entry in sorted(entries, key=lambda e: e.received or 0.0):
             self._counters["resumed"] += 1
             self._spawn(self.serve_request(entry.client, entry.payload, entry.response_topic,
                                            entry.correlation, ack=_nothing, resumed=entry))
@@ -180,9 +189,12 @@ class Intake:
         except ValueError as exc:
             self._reporter.report("error", f"bad cancel from {client}: {exc}")
             return
-        gen = self._by_key.get((client, rid))
-        if gen is not None:
+        admitted = self._by_key.get((client, rid))
+        if admitted is not None:
+            gen, place = admitted
             gen.cancelled = True
+            self.room.withdraw(place, RequestError("cancelled", "cancelled by the gateway "
+                                                   "while it waited for a slot"))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self._track(asyncio.ensure_future(coro))
@@ -237,7 +249,8 @@ class Intake:
         seed = (request.seed if request.seed is not None
                 else resumed.seed if resumed is not None and resumed.seed is not None
                 else secrets.randbits(63))
-        entry = Entry(client, request.id, payload, response_topic, correlation, seed)
+        entry = Entry(client, request.id, payload, response_topic, correlation, seed,
+                      received=time.time())
         journaled = False
 
         async def admitted() -> None:
@@ -321,10 +334,13 @@ class Intake:
     async def _generate(self, request: GenerateRequest, reply: ReplyRoute, received: float,
                         admitted: Callable[[], Awaitable[None]], key: Key,
                         seed: int, *, resumed: bool = False) -> GenerateResponse:
-        """Check the request against the plant's limits, `await admitted()`, then generate.
+        """Check the request against the plant's limits, take a place in the waiting room,
+        `await admitted()` (journaled, acknowledged), wait for its turn, then generate.
 
-        A resumed request (from the journal) was admitted before the restart:
-        the admission limit does not apply to it again.
+        A resumed request (from the journal) was accepted before the restart: it takes
+        its place past the room's bound, and waits as long as it takes. The journal does
+        not say whether it had started, and one that had streamed tokens must not be
+        refused now.
         """
         spec = self.spec
         if request.max_tokens > spec.max_tokens_limit:
@@ -334,43 +350,46 @@ class Intake:
             raise RequestError("top_k", f"top_k {request.top_k} exceeds the model's vocabulary "
                                f"of {self.vocab_size} tokens: use at most {self.vocab_size}, "
                                "or 0 for no top-k cut")
-        if not resumed:  # before tokenizing too: a refused prompt costs nothing
-            self._check_admission(key[0])
+        wait_s = self._wait_s(request)
+        if not resumed:  # before tokenizing: a refused prompt costs nothing
+            self.room.check(key[0])
         ids = await asyncio.get_running_loop().run_in_executor(
             self._tokenizer_thread, prompt_ids, self.tokenizer, request)
-        if not resumed:
-            self._check_admission(key[0])
         if not ids or len(ids) > spec.max_prompt_tokens:
             raise RequestError("prompt_length", f"prompt is {len(ids)} tokens; it must be "
                                f"1..{spec.max_prompt_tokens}")
         gen = Generation(request, reply, history=list(ids), max_len=len(ids) + request.max_tokens,
                          prompt_len=len(ids))
-        if spec.speculation.drafts:
-            gen.drafts = self._drafting.start()
         self._routes.check_fits(gen)
-        self._active[gen.seq] = gen  # no await since the checks: the admission count holds
-        self._by_key[key] = gen
-        self._per_client[key[0]] += 1
+        # Started at once when a slot is free and its KV fits (claimed, routed), else waiting.
+        place = self.room.enter(key[0], functools.partial(self._routes.claim, gen),
+                                wait_s=None if resumed else wait_s, bounded=not resumed)
+        self._by_key[key] = (gen, place)
         try:
-            return await self._tokens.generate(gen, seed, received, admitted)
+            await admitted()
+            await self.room.wait(place)
+            if spec.speculation.drafts:
+                gen.drafts = self._drafting.start()
+            self._active[gen.seq] = gen
+            try:
+                return await self._tokens.generate(gen, seed, received)
+            finally:
+                del self._active[gen.seq]
         finally:
-            del self._active[gen.seq]
-            self._by_key.pop(key, None)
-            self._per_client[key[0]] -= 1
-            if not self._per_client[key[0]]:
-                del self._per_client[key[0]]
+            del self._by_key[key]
+            self._routes.unroute(gen)  # KV claimed for a start that never came
+            self.room.leave(place)
 
-    def _check_admission(self, client: str) -> None:
-        """Refuse a request past max_in_flight, or past its gateway's share of it."""
-        spec = self.spec
-        if len(self._active) >= spec.max_in_flight:
-            raise RequestError("busy", f"{len(self._active)} requests in flight, the limit is "
-                               f"{spec.max_in_flight}: retry later")
-        if self._per_client[client] >= spec.client_limit:
-            raise RequestError("busy", f"gateway {client} has {self._per_client[client]} "
-                               "requests in flight, its share of the plant's max_in_flight "
-                               f"{spec.max_in_flight} is {spec.client_limit} "
-                               "(coordinator.max_in_flight_per_client): retry later")
+    def _wait_s(self, request: GenerateRequest) -> float:
+        """How long `request` may wait for a slot: what it asked, within the plant's limit."""
+        limit = self.spec.max_wait_s
+        if request.max_wait_s is None:
+            return limit
+        if request.max_wait_s > limit:
+            raise RequestError("max_wait", f"max_wait_s {request.max_wait_s:g} exceeds this "
+                               f"plant's coordinator.max_wait_s of {limit:g} s: ask for at most "
+                               "that, or leave it out to wait as long as the plant allows")
+        return request.max_wait_s
 
 
 def _nothing() -> None:
@@ -386,4 +405,5 @@ def _held_bytes(response: GenerateResponse) -> int:
 
 def _error_response(request_id: str, exc: RequestError) -> GenerateResponse:
     return GenerateResponse(id=request_id, finish_reason="error",
-                            error=ErrorInfo(code=exc.code, message=exc.message))
+                            error=ErrorInfo(code=exc.code, message=exc.message,
+                                            retry_after_s=exc.retry_after_s))

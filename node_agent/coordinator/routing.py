@@ -32,8 +32,9 @@ class NodeHealth:
     seen: float = 0.0  # time.monotonic() of its last sign of life
     session: tuple[str, int, int] | None = None  # (host, pid, bdseq) of its MQTT session
     held: int = 0  # KV bytes reserved by requests routed through it
-    # Positions of one request it verifies in one call (its engine's, in its status).
-    exact_rows: int = 1
+    # What 1, 2, ... positions of one request cost it in one call against one position's,
+    # as many as it verifies in one call (its engine's `exact_rows` and `row_cost_k`).
+    row_costs: tuple[float, ...] = (1.0,)
 
 
 class Routes:
@@ -57,7 +58,7 @@ class Routes:
         self._counters = counters
 
     def check_fits(self, gen: Generation) -> None:
-        """Refuse a request no route has KV room for: too long for any node, or busy."""
+        """Refuse a request too long for the KV budget of every node of a stage."""
         for stage in self.pipeline:
             needs = [self.kv[n].need(gen.max_len) for n in stage.node_ids]
             if all(need > self.kv[n].budget for n, need in zip(stage.node_ids, needs,
@@ -66,10 +67,20 @@ class Routes:
                                    f"{min(needs) / 2**20:.1f} MiB of KV cache on stage "
                                    f"{stage.index}, more than its nodes' kv_budget_mb: lower "
                                    "max_tokens or the prompt")
-            if all(self.health[n].held + need > self.kv[n].budget
-                   for n, need in zip(stage.node_ids, needs, strict=True)):
-                raise RequestError("busy", f"the KV budget of every node of stage "
-                                   f"{stage.index} is taken by requests in flight: retry later")
+
+    def claim(self, gen: Generation) -> bool:
+        """Route `gen` now if its KV fits on live nodes, holding it; False while the
+        requests in flight hold too much of it (it waits in the waiting room).
+
+        A stage with no live node is no reason to wait there: `gen` starts, and its
+        first step waits for a node (route) and says which is missing.
+        """
+        route = self._pick(gen)
+        if isinstance(route, tuple):
+            self._assign(gen, route)
+            return True
+        return not all(any(self.health[n].alive for n in stage.node_ids)
+                       for stage in self.pipeline)
 
     def _pick(self, gen: Generation) -> tuple[int, ...] | str:
         """The least loaded live route with KV room for `gen`, or why there is none."""
@@ -101,19 +112,26 @@ class Routes:
             except TimeoutError:
                 raise RequestError("unavailable", f"waited {self.liveness.stage_wait_s:.0f} s: "
                                    f"{route}") from None
-        gen.route, gen.epoch, gen.synced, gen.lost = route, gen.epoch + 1, 0, None
-        gen.nodes = [stage.nodes[r].node for stage, r in zip(self.pipeline, route, strict=True)]
-        for node_id in gen.nodes:
-            self.health[node_id].held += self.kv[node_id].need(gen.max_len)
+        self._assign(gen, route)
         if replay is not None:
             self._counters["failovers"] += 1
             self._reporter.report("warning", f"replaying {len(gen.history)} positions of "
                                   f"request {gen.request.id} on {', '.join(gen.nodes)} "
                                   f"({replay})", gen.request.id)
 
-    def exact_rows(self, gen: Generation) -> int:
-        """Positions of one request every node of `gen`'s route verifies in one call."""
-        return min((self.health[node].exact_rows for node in gen.nodes), default=1)
+    def _assign(self, gen: Generation, route: tuple[int, ...]) -> None:
+        """Put `gen` on `route` under a new epoch, its KV held on the route's nodes."""
+        gen.route, gen.epoch, gen.synced, gen.lost = route, gen.epoch + 1, 0, None
+        gen.nodes = [stage.nodes[r].node for stage, r in zip(self.pipeline, route, strict=True)]
+        for node_id in gen.nodes:
+            self.health[node_id].held += self.kv[node_id].need(gen.max_len)
+
+    def row_costs(self, gen: Generation) -> tuple[float, ...]:
+        """What 1, 2, ... positions of one request in one call cost against one position,
+        as many as every node of `gen`'s route verifies in one call: at each count, the
+        dearest node's (the step a frame waits for)."""
+        costs = [self.health[node].row_costs for node in gen.nodes] or [(1.0,)]
+        return tuple(max(c[k] for c in costs) for k in range(min(len(c) for c in costs)))
 
     def unroute(self, gen: Generation) -> None:
         """Give back `gen`'s KV reservations and let its route's nodes free the caches."""
@@ -149,10 +167,9 @@ class Routes:
             # sent to it meanwhile are gone; a new process has no caches at all.
             self._fail_over(node_id, "reconnected")
         node.session = session
-        rows = (status.engine or {}).get("exact_rows", 1)
         # What it says bounds only the frames sent to it: a stage verifies exactly whatever
         # it is sent (stage.py), so a status that says too much costs speed, never a token.
-        node.exact_rows = rows if isinstance(rows, int) and rows >= 1 else 1
+        node.row_costs = _row_costs(status.engine or {})
         self._set_alive(node_id, now - node.seen < self.liveness.timeout_s, "is stale")
 
     async def watch_heartbeats(self) -> None:
@@ -189,3 +206,16 @@ class Routes:
         for gen in self._active.values():
             if node_id in gen.nodes:
                 gen.lose(f"node {node_id} {why}")
+
+
+def _row_costs(engine: dict[str, str | int | float]) -> tuple[float, ...]:
+    """A stage's `row_costs` from its status's engine: 1 position, then `row_cost_k` for
+    k = 2 to its `exact_rows` while they are numbers of at least the one before."""
+    rows = engine.get("exact_rows", 1)
+    costs = [1.0]
+    for k in range(2, rows + 1 if isinstance(rows, int) else 2):
+        cost = engine.get(f"row_cost_{k}")
+        if not isinstance(cost, int | float) or cost < costs[-1]:
+            break
+        costs.append(float(cost))
+    return tuple(costs)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -151,9 +150,8 @@ class TokenLoop:
     def close(self) -> None:
         self._decoder.shutdown(wait=False, cancel_futures=True)
 
-    async def generate(self, gen: Generation, seed: int, received: float,
-                       admitted: Callable[[], Awaitable[None]]) -> GenerateResponse:
-        """`await admitted()`, then generate `gen`'s answer, its route given back at the end.
+    async def generate(self, gen: Generation, seed: int, received: float) -> GenerateResponse:
+        """Generate `gen`'s answer, its route given back at the end.
         `received`: time.perf_counter() when its request came in."""
         request = gen.request
         rng = np.random.default_rng(seed)
@@ -163,7 +161,6 @@ class TokenLoop:
         ttft: float | None = None
         finish: str = "length"
         try:
-            await admitted()
             while True:
                 result = await self._step(gen, candidates=k)
                 cand_ids, cand_logits = result.candidates_arrays()
@@ -284,7 +281,7 @@ class TokenLoop:
         if gen.synced and len(todo) == 1:  # a decode step
             if gen.drafts is not None and (gen.drafts.ahead or self._drafting.may_draft()):
                 self._drafting.feed(gen, gen.drafts, first, candidates,
-                                    exact_rows=self._routes.exact_rows(gen))
+                                    row_costs=self._routes.row_costs(gen))
                 return
             gen.step, gen.row = gen.new_step(), 0
             self._outbox.step(gen.seq, first, frames.encode(

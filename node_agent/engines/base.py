@@ -102,6 +102,8 @@ class StageEngine(ABC):
     # measured at load by an engine whose kernels allow it (llamacpp/engine.py). At 1 every
     # position of a decode frame of several (a token and its drafts) is a call of its own.
     exact_rows = 1
+    # What k positions in one call cost against one position's, for k up to exact_rows.
+    row_costs: tuple[float, ...] = (1.0,)
 
     @property
     @abstractmethod

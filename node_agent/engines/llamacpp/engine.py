@@ -30,6 +30,9 @@ found exact:
 - `exact_rows`: how many positions of one sequence one call computes as as many
   one-position calls (`_exact_rows`). A decode frame of a token and its drafts
   (`verify`) is one call up to that many positions, else one call a position.
+  The same probe times its calls: `row_costs[k - 1]`, the time of k positions in
+  one call over one position's, is what the coordinator weighs a frame's drafts
+  against (node_agent/speculation.py).
 A prompt chunk runs in a call of its own, all its positions at once, as the
 whole model run in one process with the same chunks computes it. In one call
 with decode rows, llama.cpp would split it anyway (one position beside the
@@ -77,6 +80,12 @@ FLASH_ATTN = 1
 # Positions of history the load-time probes compute first, so that the rows they compare
 # attend over a history, as a request's decode rows do.
 PROBE_HISTORY = 16
+# Timings of each count of positions that the exact-rows probe takes the fastest of, where a
+# call is quicker than QUICK_CALL_S: a small stage's call of a few ms is easily slowed
+# several times by a neighbour's burst on the box, while a big stage's (a second on a
+# Pi) is timed once rather than make the stage's start 3x longer.
+COST_TIMINGS = 3
+QUICK_CALL_S = 0.1
 # Rows the load-time probe batches at most: the bench's 16 concurrent requests. Kernels
 # pick their tiling by the row count (ggml's repacked ARM kernels go from gemv to gemm at
 # 4), so the probe tries as many rows as a stage batches in practice.
@@ -195,7 +204,8 @@ class LlamaCppEngine(StageEngine):
         self._batch = _Batch(lowlevel, rows)
         # A profiling engine (observer) times single requests and never batches.
         self.exact_batch = PROBE_ROWS if observer is not None else self._exact_batch()
-        self.exact_rows = 1 if observer is not None else self._exact_rows()
+        if observer is None:
+            self.exact_rows, self.row_costs = self._exact_rows()
 
     @property
     def param_bytes(self) -> int:
@@ -205,7 +215,9 @@ class LlamaCppEngine(StageEngine):
         return {"engine": self.name, "weights": "gguf", "device": self.device,
                 "threads": self.threads, "tuned": self.tuned, "weight_bytes": self.param_bytes,
                 "sequences": self.max_sequences, "exact_batch": self.exact_batch,
-                "exact_rows": self.exact_rows}
+                "exact_rows": self.exact_rows,
+                **{f"row_cost_{k}": round(cost, 2)
+                   for k, cost in enumerate(self.row_costs[1:], start=2)}}
 
     def kv_bytes_per_token(self) -> int:
         return self.kv_per_position
@@ -322,33 +334,49 @@ class LlamaCppEngine(StageEngine):
         finally:
             self._back_to(seqs, 0)
 
-    def _exact_rows(self) -> int:
+    def _exact_rows(self) -> tuple[int, tuple[float, ...]]:
         """The most positions of one sequence that one call computes bitwise as one-position
         calls: after a history, 2, 3, ... positions in one call against the same positions
         one call each, up to the first count that differs. Every count is tried, since
         kernels take rows in blocks (ggml's repacked ARM kernels in fours, the rest one by
-        one): 4 rows may differ where 5 do not."""
+        one): 4 rows may differ where 5 do not.
+
+        Also what those calls cost against one position's, for 1 to that many positions:
+        one position as the fastest one-position call after the first (which pays for cold
+        caches), k positions as the fastest of COST_TIMINGS calls where a call is quick.
+        Each count then reads as the least of its own and every larger count's cost, so a
+        call slowed by a neighbour on the box neither makes more positions look free nor
+        one count look dearer than the next."""
         most = min(MAX_DECODE_POSITIONS, self._batch.capacity)
         if most < 2:
-            return 1
+            return 1, (1.0,)
         x = self._probe_input(most, seed=1)
         seq = SeqCache(0, 0, self.kv_per_position)
         history = self._probe_history([seq])
         axis = 0 if self.slice.has_head else 1
+
+        def timed(count: int, start: int) -> tuple[np.ndarray | None, float]:
+            began = time.perf_counter()
+            out = self._call([x[:, start:start + count]], [seq], [start + history], [True],
+                             every_row=count > 1)[0]
+            return out, time.perf_counter() - began
+
         try:
-            alone = [self._call([x[:, i:i + 1]], [seq], [history + i], [True])[0]
-                     for i in range(most)]
-            exact = 1
+            alone, single = zip(*(timed(1, i) for i in range(most)), strict=True)
+            costs: list[float] = []
             for count in range(2, most + 1):
                 self._back_to([seq], history)
-                rows = self._call([x[:, :count]], [seq], [history], [True], every_row=True)[0]
+                rows, took = timed(count, 0)
                 expected = np.concatenate([a for a in alone[:count] if a is not None], axis)
                 if rows is None or not np.array_equal(rows, expected):
                     break
-                exact = count
+                for _ in range(COST_TIMINGS - 1 if took < QUICK_CALL_S else 0):
+                    self._back_to([seq], history)
+                    took = min(took, timed(count, 0)[1])
+                costs.append(took / min(single[1:]))
         finally:
             self._back_to([seq], 0)
-        return exact
+        return 1 + len(costs), (1.0, *(max(1.0, min(costs[k:])) for k in range(len(costs))))
 
     def _probe_input(self, positions: int, *, seed: int) -> np.ndarray:
         """What the load-time probes feed: token ids on the first stage, else hidden states
