@@ -17,7 +17,8 @@
 #   EDGEBUS_ARM_LLAMAFILE  ON builds llama.cpp with llamafile's matrix kernels, as pip
 #                      does by default (default OFF, as a box builds it)
 #   EDGEBUS_ARM_REUSE_INSTALL=1  keep the previous run's root filesystem and its
-#                      install (for trying changes to the tests or the plant only)
+#                      install, edgebus itself reinstalled from the checkout without
+#                      its dependencies (for trying changes to edgebus only)
 #   EDGEBUS_ARM_MIXED_PYTHON  an x86 python with edgebus installed: then a mixed plant
 #                      too, x86 coordinator and stage-0 with aarch64 stages
 #                      (tools/aarch64_mixed.py)
@@ -225,6 +226,8 @@ END
 install_edgebus() {
     if [[ ${EDGEBUS_ARM_REUSE_INSTALL:-} != 1 || ! -x $ROOTFS/opt/edgebus/bin/edgebus ]]; then
         install_packages
+    else  # the tests and the plant run the installed package, not the checkout
+        in_rootfs pip install -q --no-deps --force-reinstall /check/src
     fi
     # llama-cpp-python's package holds no library of its own: the cross-built ones go into
     # llama_cpp/lib, where the package and the engine look for them.
