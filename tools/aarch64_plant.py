@@ -175,13 +175,16 @@ def main() -> None:
     parser.add_argument("whole", nargs="?", choices=["whole"],
                         help="print llama.cpp's whole-model answers for PLANT as JSON")
     parser.add_argument("plant", nargs="?", type=Path, help="the plant file (with `whole`)")
+    parser.add_argument("--model", type=Path,
+                        help="a GGUF to run instead of the bundled one (its chat template, "
+                             "if it has none, is llama.cpp's default)")
     args = parser.parse_args()
     if args.whole:
         plant = load_plant(args.plant)
         print(json.dumps({r.id: whole(plant, r) for r in REQUESTS}))
         return
     with tempfile.TemporaryDirectory(prefix="edgebus-aarch64-") as tmp:
-        plant, path = plant_file(Path(tmp))
+        plant, path = plant_file(Path(tmp), args.model)
         with (Path(tmp) / "up.out").open("wb") as log:
             up = subprocess.Popen([sys.executable, "-m", "edgebus", "up", str(path)],
                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
