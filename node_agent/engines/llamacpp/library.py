@@ -124,7 +124,7 @@ def model_params(gguf: Path) -> tuple[Any, Any]:
     params = lowlevel.llama_model_default_params()
     built = placement.features(system_info())
     chosen = placement.choose(built, gguf_model.layout(gguf).tensors)
-    repack = repack_buffer_type()
+    repack = None if chosen is None else repack_buffer_type()
     if chosen is None or repack is None:
         if placement.arm_dotprod(built) and built.get("LLAMAFILE") == "1":
             _llamafile_on_arm()
