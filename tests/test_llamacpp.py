@@ -167,9 +167,9 @@ def test_the_whole_model_path_is_llama_cpp_pythons_own(smollm2_gguf: Path) -> No
     request = GenerateRequest(id="r", prompt="The three most common causes of motor failure are",
                               max_tokens=MAX_TOKENS, ignore_eos=True)
     ids = prompt_ids(smollm2_gguf, request)
-    library.llama()  # keeps Llama() off AMX where this CPU faults in it, as the engine is
-    llm = Llama(str(smollm2_gguf), n_ctx=512, n_batch=128, n_threads=2,
-                flash_attn=True, verbose=False)
+    with library.placed_as_stages(smollm2_gguf):  # the kernels the engine runs
+        llm = Llama(str(smollm2_gguf), n_ctx=512, n_batch=128, n_threads=2,
+                    flash_attn=True, verbose=False)
     tokens = []
     for token in llm.generate(ids, top_k=1, temp=0.0):
         tokens.append(token)

@@ -6,8 +6,7 @@
 # under `edgebus up`, held token for token to llama.cpp run whole on the same CPU.
 #
 # Run as root on an x86_64 Debian/Ubuntu host:  sudo tools/aarch64_check.sh
-# Host tools: qemu-user-static binfmt-support debootstrap gcc-aarch64-linux-gnu
-#             g++-aarch64-linux-gnu cmake patchelf
+# It installs the host tools it lacks (HOST_PACKAGES below) with apt-get.
 # Environment (all optional):
 #   EDGEBUS_ARM_CACHE  what a second run reuses: the root filesystem's tarball, the
 #                      llama.cpp sdist and libraries, pip's cache (default
@@ -15,8 +14,11 @@
 #   EDGEBUS_ARM_TESTS  the test files to run (default: TESTS below); "all" runs every
 #                      test file, which takes hours under emulation
 #   EDGEBUS_ARM_CPU    the emulated core (default cortex-a76)
+#   EDGEBUS_ARM_LLAMAFILE  ON builds llama.cpp with llamafile's matrix kernels, as pip
+#                      does by default (default OFF, as a box builds it)
 #   EDGEBUS_ARM_REUSE_INSTALL=1  keep the previous run's root filesystem and its
-#                      install (for trying changes to the tests or the plant only)
+#                      install, edgebus itself reinstalled from the checkout without
+#                      its dependencies (for trying changes to edgebus only)
 #   EDGEBUS_ARM_MIXED_PYTHON  an x86 python with edgebus installed: then a mixed plant
 #                      too, x86 coordinator and stage-0 with aarch64 stages
 #                      (tools/aarch64_mixed.py)
@@ -32,19 +34,36 @@ ARM_ARCH=armv8.2-a+dotprod+fp16
 # qemu has no Cortex-A78AE model (7.2 has cortex-a76 and neoverse-n1, the same ISA); the
 # A76 is the Pi 5's core exactly and stands for the Orin's features too.
 CPU=${EDGEBUS_ARM_CPU:-cortex-a76}
+# llamafile's tinyBLAS computes a Q8_0 or Q4_0 product of 2 rows or more otherwise than
+# one row at a time on ARM, so a box built with it cannot batch rows exactly
+# (docs/row-exactness.md): the boxes build without it, as docs/install-a-box.md says, and
+# so does the check. ON builds the pip default, to compare.
+LLAMAFILE=${EDGEBUS_ARM_LLAMAFILE:-OFF}
 # What a stage box runs, fast enough under emulation (a core ~20x slower than the host's,
 # ~25 minutes for test_llamacpp's fast tests on a loaded 2-core host): a stage file holds
-# its layers only, and a chain of 3 stages gives the whole model's logits bit for bit.
-TESTS=${EDGEBUS_ARM_TESTS:-"tests/test_llamacpp.py -k 'stage_file_holds or hidden_states_of_a_stage'"}
+# its layers only, a chain of 3 stages gives the whole model's logits bit for bit, and
+# the engine's weight placement keeps rows exact (tests/test_llamacpp_placement.py).
+TESTS=${EDGEBUS_ARM_TESTS:-"tests/test_llamacpp.py tests/test_llamacpp_placement.py -k 'stage_file_holds or hidden_states_of_a_stage or llamacpp_placement'"}
 # Packages the root filesystem needs: Python with venv and headers (edgebus compiles two
 # small C files), a compiler for them and for llama-cpp-python's stub build, and the broker.
 ROOTFS_PACKAGES=python3,python3-venv,python3-dev,gcc,g++,make,cmake,ca-certificates,mosquitto
+# What the host needs, each package for the command beside it: qemu runs the arm64
+# programs, binfmt-support hands them to it, debootstrap makes the root filesystem, the
+# cross compilers and cmake build llama.cpp, patchelf points its libraries at each other,
+# python3-pip fetches the sdist.
+declare -A HOST_PACKAGES=(
+    [qemu-aarch64-static]=qemu-user-static [update-binfmts]=binfmt-support
+    [debootstrap]=debootstrap [aarch64-linux-gnu-gcc]=gcc-aarch64-linux-gnu
+    [aarch64-linux-gnu-g++]=g++-aarch64-linux-gnu [cmake]=cmake [patchelf]=patchelf
+)
+# Another apt (a second helper, unattended upgrades) may hold dpkg's lock for a while.
+APT_LOCK_WAIT_S=900
 
 WORK=$CACHE/run
 ROOTFS=$WORK/rootfs
 TIMES=$WORK/times
 PIN=$(sed -n 's/^PINNED = "\(.*\)"$/\1/p' "$REPO/node_agent/engines/llamacpp/library.py")
-LIBS=$CACHE/llama.cpp-$PIN-$ARM_ARCH
+LIBS=$CACHE/llama.cpp-$PIN-$ARM_ARCH-llamafile-$LLAMAFILE
 SDIST=$CACHE/sdist/llama_cpp_python-$PIN.tar.gz
 ROOTFS_TAR=$CACHE/rootfs-$SUITE-arm64.tar
 MOUNTS=()
@@ -73,12 +92,19 @@ mounted_below() { findmnt -rn -o TARGET | grep -q "^$1\(/\|$\)"; }
 
 host_tools() {
     [[ $(id -u) == 0 ]] || die "run as root (debootstrap, chroot, mounts)"
-    local tool
-    for tool in qemu-aarch64-static debootstrap aarch64-linux-gnu-gcc aarch64-linux-gnu-g++ \
-                cmake patchelf; do
-        command -v "$tool" >/dev/null || die "$tool is missing: apt-get install qemu-user-static \
-binfmt-support debootstrap gcc-aarch64-linux-gnu g++-aarch64-linux-gnu cmake patchelf"
+    local tool missing=()
+    for tool in "${!HOST_PACKAGES[@]}"; do
+        command -v "$tool" >/dev/null || missing+=("${HOST_PACKAGES[$tool]}")
     done
+    python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+    if ((${#missing[@]})); then
+        log "installing ${missing[*]}"
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=$APT_LOCK_WAIT_S \
+            update -qq || die "apt-get update"
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=$APT_LOCK_WAIT_S \
+            install -y -qq "${missing[@]}" >"$WORK/apt.log" 2>&1 \
+            || die "apt-get install ${missing[*]}: see $WORK/apt.log"
+    fi
     [[ -n $PIN ]] || die "no PINNED version in node_agent/engines/llamacpp/library.py"
     # A container may come without binfmt_misc: the kernel then cannot hand arm64
     # executables to qemu.
@@ -133,7 +159,8 @@ cross_build() {
     cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_SYSTEM_NAME=Linux -DCMAKE_SYSTEM_PROCESSOR=aarch64 \
         -DCMAKE_C_COMPILER=aarch64-linux-gnu-gcc -DCMAKE_CXX_COMPILER=aarch64-linux-gnu-g++ \
-        -DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH="$ARM_ARCH" -DBUILD_SHARED_LIBS=ON \
+        -DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH="$ARM_ARCH" -DGGML_LLAMAFILE="$LLAMAFILE" \
+        -DBUILD_SHARED_LIBS=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=OFF \
         >"$WORK/cmake.log" 2>&1 || die "cmake: see $WORK/cmake.log"
@@ -199,6 +226,8 @@ END
 install_edgebus() {
     if [[ ${EDGEBUS_ARM_REUSE_INSTALL:-} != 1 || ! -x $ROOTFS/opt/edgebus/bin/edgebus ]]; then
         install_packages
+    else  # the tests and the plant run the installed package, not the checkout
+        in_rootfs pip install -q --no-deps --force-reinstall /check/src
     fi
     # llama-cpp-python's package holds no library of its own: the cross-built ones go into
     # llama_cpp/lib, where the package and the engine look for them.

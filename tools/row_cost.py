@@ -1,15 +1,17 @@
 """What does a row-exact llama.cpp setting cost?  (issue 42, item 1; see docs/row-exactness.md)
 
-    python tools/row_cost.py GGUF [--threads 2] [--variant default|norepack] [--repack REGEX]
-        [--reps 15]
+    python tools/row_cost.py GGUF [--threads 2] [--variant default|norepack|engine]
+        [--repack REGEX] [--reps 15]
 
 Prints the median and the minimum wall time (ms) of four llama_decode calls, on one context
 (n_seq_max 8, kv_unified false, n_ubatch 512, flash attention on), each after a 64-token prompt
 per sequence, undone after each call so every repetition sees the same cache:
   row1   one decode row;   seq8  one row each of 8 sequences;
   pos4   4 positions of one sequence;   prompt128  a 128-token prompt into an empty sequence.
-Run the variants in alternating processes (the GGML_CPU_TILED_MM switch is read once per
-process), e.g.  for i in 1 2 3; do for v in A B; do ...; done; done.
+`--variant engine` places the weights as the llamacpp engine does on this CPU
+(node_agent/engines/llamacpp/placement.py). Run the variants in alternating processes (the
+GGML_CPU_TILED_MM switch is read once per process), e.g.
+for i in 1 2 3; do for v in A B; do ...; done; done.
 """
 from __future__ import annotations
 
@@ -19,10 +21,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
 from row_exactness import load  # the same variants as the exactness probe
+
+from node_agent.engines.llamacpp import library
 
 _QUIET = llama_cpp.llama_log_callback(lambda *_: None)
 
@@ -36,13 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("gguf")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--variant", default="default", choices=("default", "norepack"))
+    ap.add_argument("--variant", default="default", choices=("default", "norepack", "engine"))
     ap.add_argument("--repack", action="append", default=[], metavar="REGEX")
     ap.add_argument("--reps", type=int, default=15)
     a = ap.parse_args(argv)
     llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p())
     llama_cpp.llama_backend_init()
-    model, _keep = load(a.gguf, a.variant, [], a.repack)
+    if a.variant == "engine":
+        params, _keep = library.model_params(Path(a.gguf))
+        model = llama_cpp.llama_model_load_from_file(a.gguf.encode(), params)
+    else:
+        model, _keep = load(a.gguf, a.variant, [], a.repack)
     nv: int = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.kv_unified = 8 * 512, 512, 512, 8, False

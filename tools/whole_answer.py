@@ -39,9 +39,11 @@ def whole(plant: Plant, request: GenerateRequest) -> list[int]:
     if len(chunks) != 1:
         sys.exit(f"{request.id}: a prompt of {len(ids)} tokens is cut into {len(chunks)} "
                  "chunks, which Llama.generate does not reproduce: use a shorter one")
-    library.llama()  # keeps Llama() off AMX where an x86 CPU faults in it, as the engine is
-    llm = Llama(str(plant.model), n_ctx=CONTEXT, n_batch=128, n_threads=1, flash_attn=True,
-                verbose=False)
+    # Its weights placed as the stages place theirs (off AMX where an x86 CPU faults in it;
+    # on ARM, only the matrices whose repacked kernels keep rows exact repacked).
+    with library.placed_as_stages(plant.model):
+        llm = Llama(str(plant.model), n_ctx=CONTEXT, n_batch=128, n_threads=1,
+                    flash_attn=True, verbose=False)
     eos = generation_eos(plant.model)
     stop = set() if request.ignore_eos else set(eos) if isinstance(eos, list) else {eos}
     tokens: list[int] = []

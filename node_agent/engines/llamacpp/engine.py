@@ -138,7 +138,10 @@ class LlamaCppEngine(StageEngine):
         # measured): RSS should be the layers and the KV, not them.
         return_freed_memory()
         self._file_bytes = path.stat().st_size
-        params = lowlevel.llama_model_default_params()
+        # On a CPU: weights placed so that rows of one call stay exact where this CPU's
+        # kernels were measured (placement.py), before the probes below measure it.
+        params, overrides = (library.model_params(path) if device == "cpu"
+                             else (lowlevel.llama_model_default_params(), None))
         # cuda: every layer on the GPU; llama.cpp keeps the rest on the CPU.
         params.n_gpu_layers = 999 if device == "cuda" else 0
         # Read into memory, not mapped (load mode none reads the file): on CPUs where
@@ -149,6 +152,7 @@ class LlamaCppEngine(StageEngine):
         # its weights once").
         params.load_mode = lowlevel.LLAMA_LOAD_MODE_NONE
         self._model = lowlevel.llama_model_load_from_file(str(path).encode(), params)
+        del overrides  # read by the load only
         if not self._model:
             raise EngineError(f"llama.cpp could not load {path}: its reasons are in the log "
                               "lines above (logger llama.cpp)")

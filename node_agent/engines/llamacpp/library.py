@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from pathlib import Path
@@ -19,6 +22,8 @@ from types import ModuleType
 from typing import Any
 
 from edgebus.core.errors import EngineError
+from node_agent import gguf_model
+from node_agent.engines.llamacpp import placement
 
 log = logging.getLogger("llama.cpp")
 
@@ -34,6 +39,18 @@ AMX_PROBE_MODULE = "_amx_probe"
 LIB_PATH_VARIABLE = "LLAMA_CPP_LIB_PATH"
 # GGML_LOG_LEVEL_ERROR in ggml.h's enum ggml_log_level.
 _ERROR = 4
+# ggml-cpu's buffer type of repacked weights (one of the CPU device's extra buffer types).
+REPACK_BUFFER = b"CPU_REPACK"
+# GGML_BACKEND_DEVICE_TYPE_CPU in ggml-backend.h's enum ggml_backend_dev_type.
+_CPU_DEVICE = 0
+
+
+class BufferOverride(ctypes.Structure):
+    """llama.h's `struct llama_model_tensor_buft_override`: tensors whose name matches
+    `pattern` go to the buffer type `buft`. llama-cpp-python declares the field that takes
+    a list of them but not the struct."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
 class Capture(ctypes.Structure):
@@ -98,6 +115,82 @@ def keep_off_extra_buffers(lowlevel: ModuleType) -> None:
     setattr(lowlevel, "llama_model_default_params", without_extra_buffers)  # noqa: B010
 
 
+def model_params(gguf: Path) -> tuple[Any, Any]:
+    """llama_model_params for loading `gguf` on this CPU: this process's defaults, with the
+    weight matrices placed so that rows of one call stay exact where this CPU's kernels were
+    measured (placement.py); and what has to live until the load returns (the override
+    list the params point at)."""
+    lowlevel = llama()
+    params = lowlevel.llama_model_default_params()
+    built = placement.features(system_info())
+    chosen = placement.choose(built, gguf_model.layout(gguf).tensors)
+    repack = None if chosen is None else repack_buffer_type()
+    if chosen is None or repack is None:
+        if placement.arm_dotprod(built) and built.get("LLAMAFILE") == "1":
+            _llamafile_on_arm()
+        return params, None
+    params.use_extra_bufts = False
+    overrides = (BufferOverride * (len(chosen.patterns) + 1))()  # a null pattern ends it
+    for entry, pattern in zip(overrides, chosen.patterns, strict=False):
+        entry.pattern, entry.buft = pattern.encode(), repack
+    params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p).value
+    log.info("%s: repacked for this CPU's kernels: %s; plain, so that rows stay exact: %s "
+             "(docs/row-exactness.md)", gguf.name, ", ".join(chosen.repacked) or "none",
+             ", ".join(chosen.plain) or "none")
+    return params, overrides
+
+
+@functools.cache
+def _llamafile_on_arm() -> None:
+    """Said once a process: what keeps this box's batches smaller than they could be."""
+    log.warning("this llama.cpp was built with llamafile, whose Q8_0 and Q4_0 products of 2 "
+                "rows or more differ from one row's on ARM: llama.cpp places the weights as "
+                "it likes, and batches stay exact only as far as the load-time probes find. "
+                "Rebuild llama-cpp-python with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
+                "(docs/install-a-box.md)")
+
+
+@contextmanager
+def placed_as_stages(gguf: Path) -> Iterator[None]:
+    """`llama_cpp.Llama(gguf)` made inside places its weights as a stage does (model_params):
+    a whole-model reference runs the same kernels as the plant it is held to. Llama()
+    reads its model parameters from llama_model_default_params at call time."""
+    lowlevel = llama()
+    params, overrides = model_params(gguf)
+    defaults = lowlevel.llama_model_default_params
+    setattr(lowlevel, "llama_model_default_params", lambda: params)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(lowlevel, "llama_model_default_params", defaults)  # noqa: B010
+        del overrides  # read by the load only
+
+
+@functools.cache
+def repack_buffer_type() -> int | None:
+    """The CPU device's buffer type of repacked weights, or None in a build without one."""
+    llama()
+    ggml, base = _ggml_library("libggml"), _ggml_library("libggml-base")
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    base.ggml_backend_buft_name.restype = ctypes.c_char_p
+    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    device = ggml.ggml_backend_dev_by_type(_CPU_DEVICE)
+    address = base.ggml_backend_reg_get_proc_address(ggml.ggml_backend_dev_backend_reg(device),
+                                                     b"ggml_backend_dev_get_extra_bufts")
+    if not device or not address:
+        return None
+    extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)(device)
+    index = itertools.count()
+    while buft := extra[next(index)]:  # a null-terminated list
+        if base.ggml_backend_buft_name(buft) == REPACK_BUFFER:
+            return int(buft)
+    return None
+
+
 def library_version() -> str:
     try:
         return version("llama-cpp-python")
@@ -134,17 +227,22 @@ def capture_callback() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """(capture library, libggml-base): the C eval callback, and the ggml it calls into."""
     lib = _c_library(CAPTURE_MODULE)
     llama()
-    # The ggml that llama-cpp-python loaded: the same file, so dlopen hands back its handle.
-    # Another copy (the package's, beside a $LLAMA_CPP_LIB_PATH build) would be a second
-    # ggml, whose functions the callback would call on the first one's tensors.
+    return lib, _ggml_library("libggml-base")
+
+
+def _ggml_library(stem: str) -> ctypes.CDLL:
+    """ggml's library `stem` (libggml-base: tensors and buffers; libggml: the backends) as
+    llama-cpp-python loaded it: the same file, so dlopen hands back its handle. Another
+    copy (the package's, beside a $LLAMA_CPP_LIB_PATH build) would be a second ggml, whose
+    functions would be called on the first one's objects."""
     libdir = library_dir()
-    candidates = sorted(libdir.glob("libggml-base.*")) or sorted(libdir.glob("libggml.*"))
+    candidates = sorted(libdir.glob(f"{stem}.*"))
     if not candidates:
-        raise EngineError(f"no libggml-base beside llama-cpp-python's library in {libdir}: "
+        raise EngineError(f"no {stem} beside llama-cpp-python's library in {libdir}: "
                           + (f"point ${LIB_PATH_VARIABLE} at the folder of the build's "
                              "libllama and libggml" if LIB_PATH_VARIABLE in os.environ
                              else f"reinstall llama-cpp-python=={PINNED}"))
-    return lib, ctypes.CDLL(str(candidates[0]))
+    return ctypes.CDLL(str(candidates[0]))
 
 
 def _c_library(module: str) -> ctypes.CDLL:
