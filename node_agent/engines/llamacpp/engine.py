@@ -31,8 +31,7 @@ found exact:
   one-position calls (`_exact_rows`). A decode frame of a token and its drafts
   (`verify`) is one call up to that many positions, else one call a position.
   The same probe times its calls: `row_costs[k - 1]`, the time of k positions in
-  one call over one position's, is what the coordinator weighs a frame's drafts
-  against (node_agent/speculation.py).
+  one call over one position's, which the status shows the operator.
 A prompt chunk runs in a call of its own, all its positions at once, as the
 whole model run in one process with the same chunks computes it. In one call
 with decode rows, llama.cpp would split it anyway (one position beside the
@@ -80,12 +79,6 @@ FLASH_ATTN = 1
 # Positions of history the load-time probes compute first, so that the rows they compare
 # attend over a history, as a request's decode rows do.
 PROBE_HISTORY = 16
-# Timings of each count of positions that the exact-rows probe takes the fastest of, where a
-# call is quicker than QUICK_CALL_S: a small stage's call of a few ms is easily slowed
-# several times by a neighbour's burst on the box, while a big stage's (a second on a
-# Pi) is timed once rather than make the stage's start 3x longer.
-COST_TIMINGS = 3
-QUICK_CALL_S = 0.1
 # Rows the load-time probe batches at most: the bench's 16 concurrent requests. Kernels
 # pick their tiling by the row count (ggml's repacked ARM kernels go from gemv to gemm at
 # 4), so the probe tries as many rows as a stage batches in practice.
@@ -341,12 +334,12 @@ class LlamaCppEngine(StageEngine):
         kernels take rows in blocks (ggml's repacked ARM kernels in fours, the rest one by
         one): 4 rows may differ where 5 do not.
 
-        Also what those calls cost against one position's, for 1 to that many positions:
-        one position as the fastest one-position call after the first (which pays for cold
-        caches), k positions as the fastest of COST_TIMINGS calls where a call is quick.
-        Each count then reads as the least of its own and every larger count's cost, so a
-        call slowed by a neighbour on the box neither makes more positions look free nor
-        one count look dearer than the next."""
+        Also what those calls cost against one position's, for 1 to that many positions,
+        for the operator (the status's `row_cost_k`), from the probe's own calls: one
+        position as the fastest one-position call after the first (which pays for cold
+        caches). Each count reads as the least of its own and every larger count's cost,
+        so that one call slowed by a neighbour on the box does not make one count look
+        dearer than the next."""
         most = min(MAX_DECODE_POSITIONS, self._batch.capacity)
         if most < 2:
             return 1, (1.0,)
@@ -370,9 +363,6 @@ class LlamaCppEngine(StageEngine):
                 expected = np.concatenate([a for a in alone[:count] if a is not None], axis)
                 if rows is None or not np.array_equal(rows, expected):
                     break
-                for _ in range(COST_TIMINGS - 1 if took < QUICK_CALL_S else 0):
-                    self._back_to([seq], history)
-                    took = min(took, timed(count, 0)[1])
                 costs.append(took / min(single[1:]))
         finally:
             self._back_to([seq], 0)
