@@ -30,6 +30,7 @@ from brokers import (
     AmqttBroker,
     BrokerHandle,
     MosquittoBroker,
+    PubackLedger,
     mosquitto_binary,
 )
 from gguf_models import Tensor, TinyGguf, requantize, tensors, tiny_ggufs
@@ -130,6 +131,17 @@ def release_models() -> Iterator[None]:
 def amqtt_broker() -> Iterator[AmqttBroker]:
     """amqtt (MQTT 3.1.1) on a free loopback port, in a thread with its own event loop."""
     broker = AmqttBroker()
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def ledgered_amqtt() -> Iterator[AmqttBroker]:
+    """The embedded broker (amqtt) with PubackLedger beside the plugin that admits everyone:
+    what each client left unacknowledged."""
+    broker = AmqttBroker(plugins={"broker.embedded.AllowAllAuthPlugin": {},
+                                  f"brokers.{PubackLedger.__name__}": {}})
     broker.start()
     yield broker
     broker.stop()

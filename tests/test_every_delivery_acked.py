@@ -23,7 +23,7 @@ import logging
 import os
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import aiomqtt
@@ -161,16 +161,6 @@ async def test_after_a_hostile_burst_mosquitto_holds_nothing_unacknowledged(
                 mosquitto.log_path.read_text(errors="replace")).get(client, 0)
 
         await check_plant_stays_answering(plant, plant_path, tmp_path, unacknowledged)
-
-
-@pytest.fixture
-def ledgered_amqtt() -> Iterator[AmqttBroker]:
-    """The embedded broker (amqtt) with PubackLedger beside the plugin that admits everyone."""
-    broker = AmqttBroker(plugins={"broker.embedded.AllowAllAuthPlugin": {},
-                                  f"brokers.{PubackLedger.__name__}": {}})
-    broker.start()
-    yield broker
-    broker.stop()
 
 
 async def test_after_a_hostile_burst_the_embedded_broker_holds_nothing_unacknowledged(

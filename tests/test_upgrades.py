@@ -21,7 +21,7 @@ import struct
 import subprocess
 import sys
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -154,16 +154,6 @@ async def until(condition: Callable[[], bool], what: str) -> None:
         if asyncio.get_running_loop().time() > deadline:
             pytest.fail(f"{what} within {SETTLE_S:.0f} s")
         await asyncio.sleep(0.05)
-
-
-@pytest.fixture
-def ledgered_amqtt() -> Iterator[AmqttBroker]:
-    """The embedded broker (amqtt) with PubackLedger: what each client left unacknowledged."""
-    broker = AmqttBroker(plugins={"broker.embedded.AllowAllAuthPlugin": {},
-                                  f"brokers.{PubackLedger.__name__}": {}})
-    broker.start()
-    yield broker
-    broker.stop()
 
 
 async def test_a_frame_of_another_version_is_refused_naming_both_releases(

@@ -37,6 +37,8 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from node_agent.engines.llamacpp.library import extra_buffer_type
+
 PROMPT = 40
 _QUIET = llama_cpp.llama_log_callback(lambda *_: None)  # kept alive: llama.cpp calls it later
 CTX_PER_SEQ = 512
@@ -55,27 +57,14 @@ def _lib(name: str) -> ctypes.CDLL:
 
 def buffer_type(name: str) -> int:
     """The CPU device's buffer type called `name`: "CPU", or an extra one ("CPU_REPACK", "AMX")."""
-    base, ggml = _lib("libggml-base.so"), _lib("libggml.so")
-    base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
     if name == "CPU":
+        base = _lib("libggml-base.so")
+        base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
         return cast(int, base.ggml_backend_cpu_buffer_type())
-    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
-    base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
-    base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    base.ggml_backend_buft_name.restype = ctypes.c_char_p
-    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
-    dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
-    fn = base.ggml_backend_reg_get_proc_address(ggml.ggml_backend_dev_backend_reg(dev),
-                                                b"ggml_backend_dev_get_extra_bufts")
-    extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)
-    i = 0
-    while extra[i]:
-        if base.ggml_backend_buft_name(extra[i]).decode() == name:
-            return cast(int, extra[i])
-        i += 1
-    sys.exit(f"no {name} buffer type in this build")
+    found = extra_buffer_type(name.encode())
+    if found is None:
+        sys.exit(f"no {name} buffer type in this build")
+    return found
 
 
 def load(

@@ -166,10 +166,16 @@ def placed_as_stages(gguf: Path) -> Iterator[None]:
         del overrides  # read by the load only
 
 
-@functools.cache
 def repack_buffer_type() -> int | None:
     """The CPU device's buffer type of repacked weights, or None in a build without one."""
     llama()
+    return extra_buffer_type(REPACK_BUFFER)
+
+
+@functools.cache
+def extra_buffer_type(name: bytes) -> int | None:
+    """The CPU device's extra buffer type called `name` (b"CPU_REPACK", b"AMX"), or None in
+    a build without it. llama.cpp's backends must be started (`llama`)."""
     ggml, base = _ggml_library("libggml"), _ggml_library("libggml-base")
     ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     ggml.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
@@ -186,7 +192,7 @@ def repack_buffer_type() -> int | None:
     extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)(device)
     index = itertools.count()
     while buft := extra[next(index)]:  # a null-terminated list
-        if base.ggml_backend_buft_name(buft) == REPACK_BUFFER:
+        if base.ggml_backend_buft_name(buft) == name:
             return int(buft)
     return None
 
