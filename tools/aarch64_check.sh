@@ -68,15 +68,8 @@ SDIST=$CACHE/sdist/llama_cpp_python-$PIN.tar.gz
 ROOTFS_TAR=$CACHE/rootfs-$SUITE-arm64.tar
 MOUNTS=()
 
-log() { printf '== %s\n' "$*" >&2; }
-die() { log "FAILED: $*"; exit 1; }
-
-step() {  # step NAME FUNCTION: run it and record how long it took
-    local name=$1 t0=$SECONDS
-    log "$name ..."
-    "$2"
-    printf '%-28s %5d s\n' "$name" $((SECONDS - t0)) | tee -a "$TIMES" >&2
-}
+# shellcheck source=tools/debian_check.sh
+. "$REPO/tools/debian_check.sh"
 
 cleanup() {
     local i
@@ -88,7 +81,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-mounted_below() { findmnt -rn -o TARGET | grep -q "^$1\(/\|$\)"; }
 
 host_tools() {
     [[ $(id -u) == 0 ]] || die "run as root (debootstrap, chroot, mounts)"
@@ -116,34 +108,12 @@ host_tools() {
         || die "qemu has no CPU model $CPU"
 }
 
-mirror() {  # the Debian mirror this host's apt already uses
-    local uri
-    uri=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-          | awk '$1 == "deb" && $0 !~ /security/ {for (i = 2; i <= NF; i++) if ($i ~ /^https?:/) {print $i; exit}}')
-    [[ -n $uri ]] || uri=$(cat /etc/apt/sources.list.d/*.sources 2>/dev/null \
-          | awk '$1 == "URIs:" && $2 !~ /security/ {print $2; exit}')
-    echo "${uri:-http://deb.debian.org/debian}"
-}
 
 rootfs() {
     if [[ ${EDGEBUS_ARM_REUSE_INSTALL:-} == 1 && -x $ROOTFS/opt/edgebus/bin/edgebus ]]; then
         return
     fi
-    if [[ ! -f $ROOTFS_TAR ]]; then
-        local boot=$WORK/debootstrap
-        mounted_below "$boot" && die "$boot still has mounts"
-        rm -rf "$boot"
-        debootstrap --arch=arm64 --include="$ROOTFS_PACKAGES" "$SUITE" "$boot" "$(mirror)" \
-            >"$WORK/debootstrap.log" 2>&1 || die "debootstrap: see $WORK/debootstrap.log"
-        tar -C "$boot" -cf "$ROOTFS_TAR.part" . && mv "$ROOTFS_TAR.part" "$ROOTFS_TAR"
-        rm -rf "$boot"
-    fi
-    # Every run starts from the tarball: nothing a previous run installed is reused but
-    # what the cache holds on purpose.
-    mounted_below "$ROOTFS" && die "$ROOTFS still has mounts"
-    rm -rf "$ROOTFS"
-    mkdir -p "$ROOTFS"
-    tar -C "$ROOTFS" -xf "$ROOTFS_TAR"
+    debian_rootfs "$ROOTFS_TAR" "$ROOTFS" --arch=arm64 --include="$ROOTFS_PACKAGES" "$SUITE"
 }
 
 cross_build() {

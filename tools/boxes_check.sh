@@ -59,16 +59,8 @@ PIN=$(sed -n 's/^PINNED = "\(.*\)"$/\1/p' "$REPO/node_agent/engines/llamacpp/lib
 ROOTFS_TAR=$CACHE/rootfs-$SUITE-amd64.tar
 MOUNTS=()
 
-log() { printf '== %s\n' "$*" >&2; }
-die() { log "FAILED: $*"; exit 1; }
-
-step() {  # step NAME FUNCTION [ARGS]: run it and record how long it took
-    local name=$1 t0=$SECONDS
-    shift
-    log "$name ..."
-    "$@"
-    printf '%-34s %5d s\n' "$name" $((SECONDS - t0)) | tee -a "$TIMES" >&2
-}
+# shellcheck source=tools/debian_check.sh
+. "$REPO/tools/debian_check.sh"
 
 # --- the host ---------------------------------------------------------------------------
 
@@ -86,35 +78,12 @@ host_tools() {
         || die "the kernel has no overlayfs, which each box's root filesystem is"
 }
 
-mirror() {  # the Debian mirror this host's apt already uses
-    local uri
-    uri=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-          | awk '$1 == "deb" && $0 !~ /security/ {for (i = 2; i <= NF; i++) if ($i ~ /^https?:/) {print $i; exit}}')
-    [[ -n $uri ]] || uri=$(cat /etc/apt/sources.list.d/*.sources 2>/dev/null \
-          | awk '$1 == "URIs:" && $2 !~ /security/ {print $2; exit}')
-    echo "${uri:-http://deb.debian.org/debian}"
-}
 
-mounted_below() { findmnt -rn -o TARGET | grep -q "^$1\(/\|$\)"; }
 
 # --- the image every box starts from ------------------------------------------------------
 
 rootfs() {
-    if [[ ! -f $ROOTFS_TAR ]]; then
-        local boot=$WORK/debootstrap
-        mounted_below "$boot" && die "$boot still has mounts"
-        rm -rf "$boot"
-        debootstrap --variant=minbase --include="$ROOTFS_PACKAGES" "$SUITE" "$boot" "$(mirror)" \
-            >"$WORK/debootstrap.log" 2>&1 || die "debootstrap: see $WORK/debootstrap.log"
-        tar -C "$boot" -cf "$ROOTFS_TAR.part" . && mv "$ROOTFS_TAR.part" "$ROOTFS_TAR"
-        rm -rf "$boot"
-    fi
-    # Every run starts from the tarball: nothing a previous run installed is reused but
-    # what the cache holds on purpose.
-    mounted_below "$IMAGE" && die "$IMAGE still has mounts"
-    rm -rf "$IMAGE"
-    mkdir -p "$IMAGE"
-    tar -C "$IMAGE" -xf "$ROOTFS_TAR"
+    debian_rootfs "$ROOTFS_TAR" "$IMAGE" --variant=minbase --include="$ROOTFS_PACKAGES" "$SUITE"
 }
 
 chroot_mounts() {  # DIR: what a chroot needs (proc, dev, sys, the cache), undone at exit
