@@ -57,6 +57,8 @@ from plant_config.certificates import (
 from plant_config.credentials import password_path
 
 UP_S = 90.0
+# How long tcpdump may take to write out what it captured, on a loaded machine.
+CAPTURE_WRITTEN_S = 30.0
 CONNECT_S = 15.0
 
 
@@ -390,15 +392,18 @@ def test_plain_mqtt_only_by_saying_so_and_with_a_warning_at_every_start(
 
 
 @contextlib.asynccontextmanager
-async def capture(path: Path, ports: list[int]) -> AsyncIterator[None]:
-    """tcpdump of the loopback's traffic on `ports` into `path`, whole packets, while inside."""
+async def capture(path: Path, ports: list[int], last: bytes) -> AsyncIterator[None]:
+    """tcpdump of the loopback's traffic on `ports` into `path`, whole packets, while inside,
+    and on until `last` (the final bytes sent) is in the file: the capture is then whole,
+    however long a loaded machine took tcpdump to write it."""
     tcpdump = shutil.which("tcpdump")
     if tcpdump is None:
         optional.missing("tcpdump (apt-get install tcpdump; .ci/run installs it)")
     assert tcpdump is not None
     where = " or ".join(f"tcp port {port}" for port in ports)
+    # -B: a kernel buffer (KiB) roomy enough for the plant's burst while tcpdump waits for CPU.
     proc = await asyncio.create_subprocess_exec(
-        tcpdump, "-i", "lo", "-U", "-s", "0", "-w", str(path), where,
+        tcpdump, "-i", "lo", "-U", "-B", "32768", "-s", "0", "-w", str(path), where,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None
     try:
@@ -408,8 +413,14 @@ async def capture(path: Path, ports: list[int]) -> AsyncIterator[None]:
                     pytest.fail(f"tcpdump did not start (root or CAP_NET_RAW is needed): "
                                 f"{(await proc.stderr.read()).decode()}")
         yield
+        try:
+            async with asyncio.timeout(CAPTURE_WRITTEN_S):
+                while last not in path.read_bytes():
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            pytest.fail(f"the capture never held the last bytes sent in {CAPTURE_WRITTEN_S} s: "
+                        "it would not show the rest either (packets dropped by the kernel?)")
     finally:
-        await asyncio.sleep(0.5)  # what is in flight reaches the capture
         proc.send_signal(signal.SIGINT)
         await proc.wait()
 
@@ -456,7 +467,7 @@ async def test_a_default_plant_answers_with_no_password_and_no_prompt_on_the_wir
     marker_port = free_port(LOOPBACK)
     marker = b"edgebus-capture-marker-" + prompt.encode()
     pcap = tmp_path / "plant.pcap"
-    async with (capture(pcap, [plant.broker.port, marker_port]),
+    async with (capture(pcap, [plant.broker.port, marker_port], marker),
                 edgebus_up(path, tmp_path / "up.log", UP_S)):
         asked = await asyncio.to_thread(edgebus, "ask", str(path), prompt, "--raw",
                                         "--max-tokens", "8")
