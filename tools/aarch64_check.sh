@@ -72,11 +72,7 @@ MOUNTS=()
 . "$REPO/tools/debian_check.sh"
 
 cleanup() {
-    local i
-    for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do
-        umount -R "${MOUNTS[i]}" 2>/dev/null || umount -R -l "${MOUNTS[i]}" || true
-    done
-    MOUNTS=()
+    unmount_all
     [[ -f $TIMES ]] && { log "times:"; cat "$TIMES" >&2; }
 }
 trap cleanup EXIT

@@ -101,14 +101,6 @@ chroot_mounts() {  # DIR: what a chroot needs (proc, dev, sys, the cache), undon
     MOUNTS+=("$dir/check/cache")
 }
 
-unmount_all() {
-    local i
-    for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do
-        umount -R "${MOUNTS[i]}" 2>/dev/null || umount -R -l "${MOUNTS[i]}" || true
-    done
-    MOUNTS=()
-}
-
 in_chroot() {  # DIR COMMAND...: a command in a chroot, with the cache's pip settings
     local dir=$1
     shift

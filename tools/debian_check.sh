@@ -1,6 +1,7 @@
 # What tools/boxes_check.sh and tools/aarch64_check.sh share, sourced by both: logging,
 # timed steps, and a Debian root filesystem made once by debootstrap and kept as a tarball.
-# The sourcing script sets WORK (its scratch folder) and TIMES (where step times go).
+# The sourcing script sets WORK (its scratch folder), TIMES (where step times go) and MOUNTS
+# (an array of what it mounted, undone by unmount_all).
 
 log() { printf '== %s\n' "$*" >&2; }
 die() { log "FAILED: $*"; exit 1; }
@@ -20,6 +21,14 @@ mirror() {  # the Debian mirror this host's apt already uses
     [[ -n $uri ]] || uri=$(cat /etc/apt/sources.list.d/*.sources 2>/dev/null \
           | awk '$1 == "URIs:" && $2 !~ /security/ {print $2; exit}')
     echo "${uri:-http://deb.debian.org/debian}"
+}
+
+unmount_all() {  # what MOUNTS holds, last first
+    local i
+    for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do
+        umount -R "${MOUNTS[i]}" 2>/dev/null || umount -R -l "${MOUNTS[i]}" || true
+    done
+    MOUNTS=()
 }
 
 mounted_below() { findmnt -rn -o TARGET | grep -q "^$1\(/\|$\)"; }
