@@ -2,7 +2,7 @@
 and with drafts on (docs/benchmarks.md, "One request: the seed's headline").
 
     python benchmarks/one_request.py [--cpus 0.6] [--drafts 8] [--rounds 2]
-        [--model GGUF] [--workloads code alarm free] [--prefill-chunk N]
+        [--model GGUF] [--workloads code alarm free] [--prefill-chunk N] [--layers N N N]
 
 The plant is what `edgebus init --example jetson-2pi --insecure` writes for the model (the
 bundled SmolLM2 by default), rehearsed by `edgebus rehearse`'s own machinery: each box a
@@ -77,6 +77,20 @@ def with_chunk(plant: Plant, chunk: int | None) -> Plant:
         "coordinator": plant.coordinator.model_copy(update={"prefill_chunk": chunk})})
 
 
+def with_layers(plant: Plant, counts: list[int] | None) -> Plant:
+    """`plant` with its stages holding `counts` layers each, in order (None: init's split)."""
+    if counts is None:
+        return plant
+    if len(counts) != len(plant.stages) or sum(counts) != plant.num_layers:
+        raise SystemExit(f"--layers: {len(plant.stages)} counts adding up to "
+                         f"{plant.num_layers} layers, one a stage")
+    first, stages = 0, []
+    for stage, count in zip(plant.stages, counts, strict=True):
+        stages.append(stage.model_copy(update={"layers": (first, first + count)}))
+        first += count
+    return plant.model_copy(update={"stages": stages})
+
+
 def with_speculation(plant: Plant, **settings: int) -> Plant:
     """`plant` with these `coordinator.speculation` settings."""
     coordinator = plant.coordinator.model_copy(update={
@@ -112,17 +126,46 @@ def report(runs: list[Run], workloads: list[str]) -> str:
                 f"| {statistics.median(m.decode_tok_s for m in these):.1f} "
                 f"| {last.drafts_accepted} / {last.drafts_proposed} | {verification(last)} "
                 f"| {busy(last)} |")
-    return "\n".join(lines)
+    floors = [line for workload in workloads if (line := floor(runs, workload))]
+    return "\n".join(lines + floors)
+
+
+def floor(runs: list[Run], workload: str) -> str | None:
+    """The least time drafts on could take at the acceptance it had, against the Jetson alone.
+
+    A token no draft foretold (the first sampled after a rejected draft, or with no draft
+    left) enters stage 0 only once the last stage has answered its predecessor: one whole
+    pass through the pipeline, at least what a drafts-off token takes (a pass of one
+    position, where a frame of drafts takes longer). So a request of n tokens of which d
+    came from taken drafts takes at least its time to first token and n - 1 - d passes,
+    however the frames in flight overlap.
+    """
+    def of(variant: str) -> list[Measurement]:
+        return [r.measured for r in runs if r.workload == workload and r.variant == variant]
+
+    off, on = of("drafts off"), of("drafts on")
+    if not (off and on) or not all(m.decode_tok_s for m in off):
+        return None
+    alone_s = statistics.median(m.wall_s for m in of("alone"))
+    pass_s = statistics.median(1 / m.decode_tok_s for m in off)
+    least = [m.ttft_s[0] + (m.tokens - 1 - m.drafts_accepted) * pass_s for m in on]
+    return (f"\n{workload}: drafts on cannot take less than "
+            f"{statistics.median(least) / alone_s:.2f}x the Jetson alone at the acceptance "
+            f"it had (its time to first token, then a drafts-off pass of "
+            f"{pass_s * 1e3:.0f} ms for each of the "
+            f"{statistics.median(m.tokens - 1 - m.drafts_accepted for m in on):.0f} tokens "
+            "no taken draft foretold)")
 
 
 async def main(args: argparse.Namespace) -> None:
     folder = Path(tempfile.mkdtemp(prefix="edgebus-one-request-"))
-    drafting = with_chunk(seed_plant(args.model, args.drafts, folder), args.prefill_chunk)
+    drafting = with_layers(with_chunk(seed_plant(args.model, args.drafts, folder),
+                                      args.prefill_chunk), args.layers)
     options = Options(cpu_total=args.cpus)
     alone, alone_options = one_box_variant(drafting, ALONE, options)
     # The Jetson alone decodes plainly, as the seed's 8 s were measured.
-    secured = with_chunk(seed_plant(args.model, args.drafts, folder / "secured", secured=True),
-                         args.prefill_chunk)
+    secured = with_layers(with_chunk(seed_plant(args.model, args.drafts, folder / "secured",
+                                                secured=True), args.prefill_chunk), args.layers)
     variants = [("alone", without_drafts(alone), alone_options),
                 ("drafts off", without_drafts(drafting), options),
                 ("drafts on", drafting, options),
@@ -166,6 +209,8 @@ if __name__ == "__main__":
                         help="the Jetson alone is always run: the ratios are against it")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="coordinator.prefill_chunk of every variant (default: init's)")
+    parser.add_argument("--layers", type=int, nargs="+", default=None,
+                        help="layers each stage holds, in order (default: init's split)")
     arguments = parser.parse_args()
     arguments.model = arguments.model or bundled_gguf()
     arguments.variants = sorted({"alone", *arguments.variants}, key=VARIANTS.index)

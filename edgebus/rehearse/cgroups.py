@@ -27,6 +27,15 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 10_000
 # The kernel refuses quotas below 1 ms.
 MIN_QUOTA_US = 1_000
+# A box's quota is its ceiling; the highest scheduling weight makes it its floor too: on a
+# host busy with other work, the scheduler runs a box's processes before the others' until
+# the quota is spent, so each box keeps the speed the rehearsal gave it (on the 2-core
+# Intel Xeon VM at a load of 12, boxes without it got well under their quotas). The
+# quotas cap what this takes from the rest of the host. A box without a quota keeps the
+# default weight: it must not starve the host. cgroup v1's cpu.shares and v2's cpu.weight,
+# each its kernel's highest and default.
+V1_TOP_SHARES, V1_DEFAULT_SHARES = 262_144, 1_024
+V2_TOP_WEIGHT, V2_DEFAULT_WEIGHT = 10_000, 100
 # Prefix of every group edgebus creates, so a leftover is recognisable.
 PREFIX = "edgebus-rehearse-"
 
@@ -173,6 +182,8 @@ class _V1Group(BoxGroup):
     def set_cpu(self, cpu_cores: float | None) -> None:
         quota = -1 if cpu_cores is None else _quota_us(cpu_cores)
         (self.cpu / "cpu.cfs_quota_us").write_text(str(quota))
+        shares = V1_DEFAULT_SHARES if cpu_cores is None else V1_TOP_SHARES
+        (self.cpu / "cpu.shares").write_text(str(shares))
 
     def set_disk(self, devices: list[str], read_bps: int, write_bps: int) -> None:
         if self.blkio is None:
@@ -214,6 +225,9 @@ class V1Tree(CgroupTree):
     def create(self, box: str, cpu_cores: float, memory_bytes: int) -> BoxGroup:
         for parent in self._run_dirs():
             parent.mkdir(exist_ok=True)
+        # The boxes' parent competes with the host's other processes as one: it needs the
+        # weight too, and what its boxes may take is capped by their quotas.
+        (self._run_dirs()[0] / "cpu.shares").write_text(str(V1_TOP_SHARES))
         cpu, cpuacct, memory, *blkio = (parent / box for parent in self._run_dirs())
         group = _V1Group(box, cpu, cpuacct, memory, blkio[0] if blkio else None)
         self.groups.append(group)
@@ -258,6 +272,8 @@ class _V2Group(BoxGroup):
     def set_cpu(self, cpu_cores: float | None) -> None:
         quota = "max" if cpu_cores is None else str(_quota_us(cpu_cores))
         (self.path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+        weight = V2_DEFAULT_WEIGHT if cpu_cores is None else V2_TOP_WEIGHT
+        (self.path / "cpu.weight").write_text(str(weight))
 
     def set_disk(self, devices: list[str], read_bps: int, write_bps: int) -> None:
         io_max = self.path / "io.max"
@@ -310,6 +326,8 @@ class V2Tree(CgroupTree):
             if "io" in (parent / "cgroup.controllers").read_text().split():
                 controllers += " +io"
             (parent / "cgroup.subtree_control").write_text(controllers)
+            # As V1Tree's parent: it competes with the host's other processes as one.
+            (parent / "cpu.weight").write_text(str(V2_TOP_WEIGHT))
         group = _V2Group(box, parent / box)
         self.groups.append(group)
         group.path.mkdir()
