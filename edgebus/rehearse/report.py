@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from edgebus.rehearse.rehearsal import Online
 from edgebus.rehearse.sizing import BoxShare
 from edgebus.rehearse.workload import ROWS_PER_GROUP, Measurement, decode_step_ms
+from node_agent.coordinator.token_loop import prefill_chunks
 from plant_config.first_start import first_start, seconds
 from plant_config.layout import show
 from plant_config.planner import MessageCost, ModelCosts, plant_boxes
@@ -103,9 +104,7 @@ def predict(plant: Plant, costs: ModelCosts, shares: list[BoxShare], requests: i
     # box setting the pace. The decode steps are counted after them: where a request decodes
     # while later prompts still go through, both take the same boxes' CPU, so on the box
     # that paces the plant the two add up all the same.
-    chunk = plant.coordinator.prefill_chunk
-    pieces = [chunk] * (prompt_tokens // chunk) + [prompt_tokens % chunk] * bool(
-        prompt_tokens % chunk)
+    pieces = prefill_chunks(prompt_tokens, plant.coordinator.prefill_chunk) if prompt_tokens else []
     prompt = {spec.node: sum(costs.prompt_ms(spec.layers, cores[spec.node], piece)
                              for piece in pieces) for spec in plant.stages}
     prompt_demands = demands(prompt, len(pieces))
