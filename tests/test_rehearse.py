@@ -148,9 +148,9 @@ def test_the_prediction_counts_every_prompt_in_chunks_then_every_decode_step(
     chunked = plant.model_copy(update={"coordinator": plant.coordinator.model_copy(
         update={"prefill_chunk": 8})})
     shares = box_shares(plant, cpu_total=1.5)
-    # A 9-position prompt in chunks of 4, 3 and 2 (the coordinator's prefill_chunks):
+    # A 9-position prompt in chunks of 4 and 5 (the coordinator's prefill_chunks):
     # 0.5 ms a layer for a chunk's first position, 0.25 for each of the others.
-    per_layer = (0.5 + 3 * 0.25) + (0.5 + 2 * 0.25) + (0.5 + 0.25)
+    per_layer = (0.5 + 3 * 0.25) + (0.5 + 4 * 0.25)
     prompt = [4 * per_layer / 0.3, 4 * per_layer / 0.3, 22 * per_layer / 0.9]
     lone = predict(chunked, made_up_costs(None), shares, 1, 1, "jetson", "jetson",
                    prompt_tokens=9, tokens=5)

@@ -396,14 +396,12 @@ class TokenLoop:
 def prefill_chunks(positions: int, chunk: int) -> list[int]:
     """Sizes of the prefill frames for `positions` prompt positions, each at most `chunk`.
 
-    A prompt longer than a chunk starts with half a chunk and ends with a quarter of one.
-    Until the first chunk has left the first stage, the other stages have nothing to do,
-    so a smaller one sets them to work sooner; once the last has left it, only the stages
-    after it work on the prompt, each in turn, so a smaller one ends the prompt sooner (a
-    512-token prompt goes as 64+128+128+128+32+32 with chunks of 128).
+    A prompt longer than a chunk starts with half a chunk: until it has left
+    the first stage, the other stages have nothing to do, so a smaller one sets
+    them to work sooner (a 512-token prompt goes as 64+128+128+128+64).
     """
     if positions <= chunk:
         return [positions]
-    first, last = max(1, chunk // 2), max(1, chunk // 4)
-    rest = positions - first - last
-    return [first, *[min(chunk, rest - offset) for offset in range(0, rest, chunk)], last]
+    first = max(1, chunk // 2)
+    rest = positions - first
+    return [first, *[min(chunk, rest - offset) for offset in range(0, rest, chunk)]]
