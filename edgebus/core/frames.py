@@ -130,6 +130,12 @@ _NUMPY_DTYPES: dict[DType, np.dtype[Any]] = {
     DType.BFLOAT16: np.dtype("<u2"), DType.INT32: np.dtype("<i4")}
 _ITEM_SIZE = {DType.FLOAT16: 2, DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.INT32: 4,
               DType.CANDIDATES: 8, DType.UTF8: 1}
+# A header's kind and dtype bytes to their enums, and a tensor's dtype to its wire code: dict
+# lookups, since an enum's constructor, its __members__ and numpy's dtype comparison took
+# ~1 us each, several times a frame, on every hop of every token.
+_KINDS = {kind.value: kind for kind in Kind}
+_DTYPES = {code.value: code for code in DType}
+_WIRE_CODES = {known: code for code, known in _NUMPY_DTYPES.items() if code != DType.BFLOAT16}
 FLAG_LZ4 = 0x01
 FLAG_PREFILL = 0x02
 FLAG_RETRY = 0x04
@@ -150,9 +156,9 @@ def _wire_array(tensor: np.ndarray | torch.Tensor, kind: Kind) -> tuple[np.ndarr
         tensor = tensor.detach().numpy()
     if kind == Kind.TOKENS:
         tensor = tensor.astype("<i4", copy=False)
-    for code, known in _NUMPY_DTYPES.items():
-        if code != DType.BFLOAT16 and known == tensor.dtype:
-            return np.ascontiguousarray(tensor), code
+    code = _WIRE_CODES.get(tensor.dtype)
+    if code is not None:
+        return np.ascontiguousarray(tensor), code
     raise FrameError(f"activation dtype {tensor.dtype} cannot be framed; use float16, "
                      "bfloat16 or float32")
 
@@ -272,7 +278,12 @@ def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], head
           start: int, count: int, candidates: int, prefill: bool = False, flags: int = 0) -> bytes:
     if not 1 <= len(shape) <= 3:
         raise FrameError(f"a frame carries a 1-3 dimensional tensor, got shape {shape}")
-    if len(header.route) > MAX_ROUTE or any(not 0 <= r <= MAX_ROUTE for r in header.route):
+    route: bytes | None
+    try:
+        route = bytes(header.route)  # a byte a stage: raises for a replica past 0..255
+    except ValueError:
+        route = None
+    if route is None or len(route) > MAX_ROUTE:
         raise FrameError(f"route {header.route} does not fit a frame")
     flags, wire = flags | (FLAG_PREFILL if prefill else 0), raw
     if len(raw) >= LZ4_MIN_BYTES:
@@ -282,10 +293,9 @@ def _pack(kind: Kind, code: DType, raw: memoryview, shape: tuple[int, ...], head
     dims = (*shape, *([0] * (3 - len(shape))))
     packed_header = _HEADER.pack(MAGIC, VERSION, kind, code, flags, header.request, header.epoch,
                                  header.step, start, count, candidates, len(shape),
-                                 len(header.route), *dims, len(wire), 0)
-    route = bytes(header.route)
-    crc = zlib.crc32(wire, zlib.crc32(route, zlib.crc32(packed_header[:_CRC_SPAN])))
-    return b"".join((packed_header[:_CRC_SPAN], crc.to_bytes(4, "little"), route, wire))
+                                 len(route), *dims, len(wire), 0)[:_CRC_SPAN]
+    crc = zlib.crc32(wire, zlib.crc32(route, zlib.crc32(packed_header)))
+    return b"".join((packed_header, crc.to_bytes(4, "little"), route, wire))
 
 
 @dataclass(frozen=True)
@@ -478,14 +488,15 @@ def _scan_one(data: bytes, offset: int,
     if len(data) - offset < HEADER_SIZE:
         return None, FrameError(f"frame of {len(data) - offset} bytes is shorter than the "
                                 f"{HEADER_SIZE}-byte header")
-    (magic, version, kind, code, flags, request, epoch, step, start, count, candidates, ndim,
-     route_len, d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data, offset)
+    (magic, version, kind_byte, dtype_byte, flags, request, epoch, step, start, count,
+     candidates, ndim, route_len, d0, d1, d2, wire_len, crc) = _HEADER.unpack_from(data, offset)
     if magic != MAGIC:
         return None, FrameError(f"bad magic {magic!r}: not an edgebus activation frame")
     if version != VERSION:
         return None, version_error(version)
-    if kind not in Kind.__members__.values() or code not in DType.__members__.values():
-        return None, FrameError(f"unknown frame kind {kind} or dtype {code}")
+    kind, dtype = _KINDS.get(kind_byte), _DTYPES.get(dtype_byte)
+    if kind is None or dtype is None:
+        return None, FrameError(f"unknown frame kind {kind_byte} or dtype {dtype_byte}")
     if not 1 <= ndim <= 3:
         return None, FrameError(f"frame ndim {ndim} outside 1..3")
     body = offset + HEADER_SIZE + route_len
@@ -494,8 +505,8 @@ def _scan_one(data: bytes, offset: int,
         return None, FrameError(f"frame says {route_len} route and {wire_len} payload bytes "
                                 f"but carries {len(data) - offset - HEADER_SIZE}: truncated")
     shape = (d0, d1, d2)[:ndim]
-    raw_len = math.prod(shape) * _ITEM_SIZE[DType(code)]
-    peek = Peek(Kind(kind), DType(code), flags, request, epoch, step, start, count, candidates,
+    raw_len = math.prod(shape) * _ITEM_SIZE[dtype]
+    peek = Peek(kind, dtype, flags, request, epoch, step, start, count, candidates,
                 shape, tuple(data[offset + HEADER_SIZE:body]), raw_len, offset, body, end, crc)
     if route_len > limits.max_route:
         return peek, FrameError(f"route of {route_len} stages; this plant has "
