@@ -118,6 +118,10 @@ class StageAgent:
             plant.model, *spec.layers, engine=spec.engine, weights=spec.weights,
             device=spec.device, shape=context_shape(plant, node_id))
         self.coordinator_topic = topics.activations(plant.coordinator.id)
+        # The topics of the next stage's nodes, by replica: a frame's route picks one for
+        # every frame this node sends on, so they are built (and checked) once.
+        following = self.pipeline[self.index + 1:self.index + 2]
+        self._next_topics = [topics.activations(n.node) for s in following for n in s.nodes]
         self.wire_dtype = WIRE_DTYPES[plant.wire_dtype]
         self.kv_budget = spec.kv_budget_mb * 2**20
         self.kv_per_token = self.model.kv_bytes_per_token()
@@ -557,7 +561,7 @@ class StageAgent:
             raise FrameError(f"route {list(route)} does not pass through this node")
         if self.index == len(stages) - 1:
             return self.coordinator_topic
-        return self.topics.activations(stages[self.index + 1].nodes[route[self.index + 1]].node)
+        return self._next_topics[route[self.index + 1]]
 
 
 def _remember(memory: collections.OrderedDict[int, None], request: int) -> None:

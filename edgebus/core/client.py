@@ -217,7 +217,10 @@ class BusClient:
         def on_publish(paho_client: paho.Client, userdata: Any, mid: int,
                        reason: ReasonCode, properties: Properties) -> None:
             self.queued_bytes -= self._queued.pop(mid, 0)
-            client._on_publish(paho_client, userdata, mid, reason, properties)  # aiomqtt's own
+            # aiomqtt's own, for its publish() that awaits this; `send`'s messages, most of
+            # them, are not its to wake (it would raise and suppress a KeyError for each).
+            if mid in client._pending_publishes:
+                client._on_publish(paho_client, userdata, mid, reason, properties)
 
         client._client.on_publish = on_publish
         register_write = client._client.on_socket_register_write  # aiomqtt's own
