@@ -11,6 +11,11 @@ their `llama_decode` calls (`compute_cpu_s` in their status: the calling thread'
 is all of it with one thread a stage).
 
     PYTHONPATH=. python benchmarks/token_path.py --rounds 3
+
+`--tree NAME=DIR`, given twice or more, runs a plant of each source tree on each broker,
+its agents importing edgebus from DIR (a second checkout: `git worktree add`), all of them
+up at once and taking turns by the round. A change to the token's path is compared so in
+the same minutes of a shared box: the load moves these numbers by more than such a change.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from broker.mosquitto import MosquittoProcess, mosquitto_version
@@ -40,21 +46,42 @@ REQUESTS = 2  # single-stream requests a plant answers in a round
 TIMEOUT_S = 600.0
 
 
-def _start_plant(broker: str, model_dir: Path, work: Path, stack: contextlib.ExitStack
+def _start_plant(broker: str, model_dir: Path, work: Path, stack: contextlib.ExitStack,
+                 name: str = "", tree: Path | None = None
                  ) -> tuple[PlantProcesses, dict[str, list[int]]]:
     url = None
     extra: list[int] = []
+    work.mkdir(exist_ok=True)
     if broker == "mosquitto":
         mosquitto = stack.enter_context(MosquittoProcess(work / "mosquitto"))
         url = mosquitto.url
         if mosquitto.pid is not None:
             extra.append(mosquitto.pid)
-    plant = _plant(model_dir, f"token-path-{broker}", STAGES, url=url, weights="gguf",
-                   threads=1)
-    processes = _start(plant, work, stack)
+    plant = _plant(model_dir, "-".join(filter(None, ("token-path", name, broker))), STAGES,
+                   url=url, weights="gguf", threads=1)
+    with _importing_from(tree):
+        processes = _start(plant, work, stack)
     roles = process_cpu.roles(processes)
     roles["broker"] += extra
     return processes, roles
+
+
+@contextlib.contextmanager
+def _importing_from(tree: Path | None) -> Iterator[None]:
+    """Agents started in here import edgebus from `tree`: the launcher passes its own
+    environment on, and PYTHONPATH comes before the installed (editable) package."""
+    if tree is None:
+        yield
+        return
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(tree)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 async def _round(gateway: Gateway, stages: list[str], roles: dict[str, list[int]]
@@ -101,8 +128,20 @@ def main() -> None:
     parser.add_argument("--brokers", default=",".join(BROKERS),
                         help=f"comma-separated, of {', '.join(BROKERS)}")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                        help="a plant of the source tree DIR on each broker (give two or more "
+                             "to compare them in the same minutes)")
     args = parser.parse_args()
     brokers = args.brokers.split(",")
+    trees: dict[str, Path | None] = {"": None}
+    if args.tree:
+        trees = {}
+        for tree in args.tree:
+            name, _, path = tree.partition("=")
+            if not name or not (Path(path) / "edgebus" / "__init__.py").is_file():
+                parser.error(f"--tree {tree}: give NAME=DIR, DIR an edgebus checkout "
+                             "(git worktree add DIR main)")
+            trees[name] = Path(path).resolve()
     if unknown := set(brokers) - set(BROKERS):
         parser.error(f"--brokers: unknown {', '.join(sorted(unknown))}; choose from "
                      f"{', '.join(BROKERS)}")
@@ -112,7 +151,9 @@ def main() -> None:
     model_dir = ensure_demo_model()
     with tempfile.TemporaryDirectory(prefix="token-path-") as work, \
             contextlib.ExitStack() as stack:
-        plants = {b: _start_plant(b, model_dir, Path(work), stack) for b in brokers}
+        plants = {"/".join(filter(None, (name, b))): _start_plant(
+                      b, model_dir, Path(work) / (name or b), stack, name, tree)
+                  for b in brokers for name, tree in trees.items()}
         results = asyncio.run(_measure(plants, args.rounds))
     print("medians, CPU ms a token")
     for name, rows in results.items():
