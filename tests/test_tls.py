@@ -12,6 +12,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import aiomqtt
 import optional
 import pytest
 import trustme
@@ -497,3 +499,68 @@ async def test_a_default_plant_answers_with_no_password_and_no_prompt_on_the_wir
     assert b"Hydraulic press 7" not in wire.replace(marker, b"")
     assert b"MQTT" not in wire.replace(marker, b"")  # no CONNECT in clear either
     assert "plain MQTT" not in (tmp_path / "up.log").read_text()
+
+
+# -- the token's path: what a TLS socket does not take at once -------------------------------
+
+# Enough for a stopped broker's socket buffers not to take it all at once (on the loopback
+# they grow to a few MiB): every message paho may have in flight, 1 MiB each.
+STALLED_SENDS = 24
+STALLED_PAYLOAD = b"\0" * 2**20
+# Generous: 24 MiB through TLS on a loaded 2-core box.
+STALLED_DELIVERED_S = 120.0
+
+
+async def test_what_a_tls_socket_does_not_take_at_once_is_written_once_the_broker_reads(
+        tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """BusClient.send writes at once and watches the socket for writability only for what it
+    did not take. Under TLS too: Mosquitto stopped (SIGSTOP) leaves the sender's TLS socket
+    full, and every message still arrives once it runs again."""
+    if mosquitto_binary() is None:
+        optional.missing("mosquitto")
+    plant = load_plant(init(tmp_path, tiny_llama_gguf))
+    assert plant.security is not None and plant.security.listener_tls is not None
+    port = free_port(LOOPBACK)
+    external = plant.model_copy(update={"broker": BrokerSettings(
+        url=f"mqtts://{LOOPBACK}:{port}", ca_file=plant.security.listener_tls.cafile)})
+    write_mosquitto_config(external, tmp_path / "conf", bind=LOOPBACK)
+    mosquitto = MosquittoBroker(tmp_path / "mosquitto", port=port, include_dir=tmp_path / "conf")
+    sender_id, reader_id = (spec.node for spec in plant.stages)
+    topic = plant.topics.activations(reader_id)
+    got: list[int] = []
+    all_in = asyncio.Event()
+
+    def receive(message: aiomqtt.Message) -> None:
+        assert isinstance(message.payload, bytes)
+        got.append(int.from_bytes(message.payload[:4], "big"))
+        if len(got) == STALLED_SENDS:
+            all_in.set()
+
+    with started(mosquitto):
+        assert mosquitto.pid is not None
+        reader = BusClient(at_port(plant.endpoint_for(reader_id), port),
+                           f"{plant.plant_id}.{reader_id}", subscriptions=[(topic, 1)])
+        sender = BusClient(at_port(plant.endpoint_for(sender_id), port),
+                           f"{plant.plant_id}.{sender_id}")
+        running = [asyncio.create_task(reader.run(receive)),
+                   asyncio.create_task(sender.run(lambda message: None))]
+        try:
+            async with asyncio.timeout(CONNECT_S):
+                await reader.wait_connected()
+                await sender.wait_connected()
+            os.kill(mosquitto.pid, signal.SIGSTOP)
+            try:
+                for i in range(STALLED_SENDS):
+                    sender.send(topic, i.to_bytes(4, "big") + STALLED_PAYLOAD)
+                assert sender.unsent == 0
+                # What this test is about: paho still holds bytes the socket did not take.
+                assert sender._client is not None and sender._client._client.want_write()
+            finally:
+                os.kill(mosquitto.pid, signal.SIGCONT)
+            async with asyncio.timeout(STALLED_DELIVERED_S):
+                await all_in.wait()
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+    assert sorted(got) == list(range(STALLED_SENDS))
