@@ -25,7 +25,7 @@ from typing import Any
 import openai
 import pytest
 from brokers import BrokerHandle
-from pipeline import beside, plant_for, reference_tokens, running, stage_model, tokenizer
+from pipeline import plant_for, reference_tokens, running, stage_model, tokenizer
 
 from edgebus.core.messages import ChatMessage, GenerateRequest, GenerateResponse, StreamDelta
 from edgebus.core.processes import LOOPBACK, free_port
@@ -78,10 +78,9 @@ async def test_chat_is_token_exact_against_generate(smollm2_dir: Path,
     """SmolLM2 through its chat template, non-streamed and streamed, over two stages."""
     plant = plant_for(smollm2_dir, mosquitto_broker, [(0, 15), (15, 30)])
     question = "What does a PLC do in a factory?"
-    request = GenerateRequest(id="ref", messages=[ChatMessage(role="user", content=question)],
-                              max_tokens=TOKENS)
-    async with running(plant), serving(plant) as gateway, \
-            beside(lambda: reference_tokens(smollm2_dir, request)) as reference:
+    expected = reference_tokens(smollm2_dir, GenerateRequest(
+        id="ref", messages=[ChatMessage(role="user", content=question)], max_tokens=TOKENS))
+    async with running(plant), serving(plant) as gateway:
         api = client(gateway)
         models = await api.models.list()
         assert [m.id for m in models.data] == [smollm2_dir.name]
@@ -92,7 +91,6 @@ async def test_chat_is_token_exact_against_generate(smollm2_dir: Path,
             model=smollm2_dir.name, messages=[{"role": "user", "content": question}],
             max_tokens=TOKENS, temperature=0, stream=True)
         chunks = [chunk async for chunk in stream]
-    expected = reference.result()
     assert answer.choices[0].message.content == _decode(smollm2_dir, expected)
     assert answer.choices[0].message.role == "assistant"
     assert answer.usage is not None and answer.usage.completion_tokens == len(expected)
