@@ -153,7 +153,10 @@ async def beside(compute: Callable[[], _T]) -> AsyncIterator[asyncio.Future[_T]]
 
     A plant in the test process is a pipeline: over SmolLM2's llama.cpp split it kept about
     one of two cores busy, and the whole-model reference after it took 40 % of the test.
-    Entered inside `running`, once the stages are ready, so no two models load at once."""
+    Entered inside `running`, once the stages are ready, so no two models load at once.
+    For a reference that computes in C between short Python steps (llama.cpp's, a call a
+    token): `generate()` is Python between its torch calls, and beside a plant in this
+    process it held the GIL the plant's hops need (slower than after it, here)."""
     future = asyncio.ensure_future(asyncio.to_thread(compute))
     try:
         yield future
