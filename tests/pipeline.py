@@ -13,10 +13,10 @@ import asyncio
 import functools
 import gc
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import optional
@@ -140,6 +140,28 @@ async def running(plant: Plant) -> AsyncIterator[list[StageAgent]]:
         for engine in fresh:
             if engine is not None:
                 engine.close()
+
+
+_T = TypeVar("_T")
+
+
+@asynccontextmanager
+async def beside(compute: Callable[[], _T]) -> AsyncIterator[asyncio.Future[_T]]:
+    """`compute()` (a reference's answers) in a thread while the block runs a plant: its
+    result is the future's once the block ends. Done or failed by then, even where the
+    block raises, so it never outlives the test (release_models closes its engines).
+
+    A plant in the test process is a pipeline: over SmolLM2's llama.cpp split it kept about
+    one of two cores busy, and the whole-model reference after it took 40 % of the test.
+    Entered inside `running`, once the stages are ready, so no two models load at once.
+    For a reference that computes in C between short Python steps (llama.cpp's, a call a
+    token): `generate()` is Python between its torch calls, and beside a plant in this
+    process it held the GIL the plant's hops need (slower than after it, here)."""
+    future = asyncio.ensure_future(asyncio.to_thread(compute))
+    try:
+        yield future
+    finally:
+        await asyncio.wait([future])
 
 
 async def ask_all(plant: Plant, requests: Sequence[GenerateRequest]) -> list[GenerateResponse]:

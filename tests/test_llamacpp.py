@@ -35,7 +35,7 @@ import pytest
 from brokers import BrokerHandle
 from gguf_models import Tensor, tiny_random_gguf
 from llama_cpp import Llama
-from pipeline import ask_all, engine_tokens, plant_for, prompt_ids, running
+from pipeline import ask_all, beside, engine_tokens, plant_for, prompt_ids, running
 from test_pipeline import MAX_TOKENS, SMOLLM2_SPLITS
 from test_pipeline import requests as pipeline_requests
 
@@ -134,13 +134,14 @@ async def _check_split(model: Path, broker: BrokerHandle, split: list[tuple[int,
     assert len(prompt_ids(model, reqs[1])) > 256  # three chunks: 64 + 128 + the rest
     plant = plant_for(model, broker, split, weights="gguf", kv_budget_mb=KV_BUDGET_MB,
                       threads=STAGE_THREADS, **LIMITS)
-    async with running(plant) as stages:
+    async with running(plant) as stages, \
+            beside(lambda: [reference(model, request) for request in reqs]) as expected:
         responses = await _ask_staggered(plant, reqs)
         for stage in stages:  # the sequences go back to llama.cpp once the requests end
             await _until(lambda s=stage: not s.caches)
-    for request, response in zip(reqs, responses, strict=True):
+    for request, response, tokens in zip(reqs, responses, expected.result(), strict=True):
         assert response.error is None, response.error
-        assert response.tokens == reference(model, request), request.id
+        assert response.tokens == tokens, request.id
     last = stages[-1]
     assert last.metrics["rows"] > last.metrics["steps"]  # decode rows of requests batched
     assert sum(s.metrics["mixed_steps"] for s in stages) > 0  # a prompt chunk met a batch

@@ -204,9 +204,12 @@ def test_a_second_init_reuses_the_plants_ca_and_never_overwrites_another_plants(
 # -- item 4: what is refused ----------------------------------------------------------------
 
 
-def mutual_plant(tmp_path: Path, tiny_llama_gguf: Path) -> Plant:
-    """A default plant with mutual TLS asked for, and its client certificates issued."""
-    path = init(tmp_path, tiny_llama_gguf)
+@pytest.fixture(scope="module")
+def mutual_plant(tiny_llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Plant:
+    """A default plant with mutual TLS asked for, and its client certificates issued: made
+    once (an `init` and a `certs renew`, two Python starts) for both brokers' runs, which
+    only read it."""
+    path = init(tmp_path_factory.mktemp("mutual"), tiny_llama_gguf)
     data = yaml.safe_load(path.read_text())
     edit(path, security={"tls": {**data["security"]["tls"], "require_certificate": True}})
     renewed = edgebus("certs", "renew", str(path))
@@ -216,8 +219,8 @@ def mutual_plant(tmp_path: Path, tiny_llama_gguf: Path) -> Plant:
 
 @pytest.mark.parametrize("kind", ["amqtt", "mosquitto"])
 async def test_with_mutual_tls_a_client_without_a_certificate_or_with_another_cas_is_refused(
-        kind: str, tiny_llama_gguf: Path, tmp_path: Path) -> None:
-    plant = mutual_plant(tmp_path, tiny_llama_gguf)
+        kind: str, mutual_plant: Plant, tmp_path: Path) -> None:
+    plant = mutual_plant
     assert plant.security is not None and plant.security.listener_tls is not None
     for identity in plant.identities():  # one client certificate per identity
         cert, key = client_paths(plant.security.credentials, identity)

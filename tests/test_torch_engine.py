@@ -6,6 +6,7 @@ import functools
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -132,20 +133,41 @@ print(json.dumps(measured))
 MODES = ("fp32", "int8", "bf16")
 
 
-@functools.cache
-def _middle_stage_memory(model_dir: Path) -> dict[str, dict[str, int]]:
+MemoryByMode = dict[str, dict[str, int]]
+# The measuring process's imports and three loads, on a loaded box.
+MEASURE_S = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def middle_stage_memory(smollm2_dir: Path) -> Iterator[Callable[[], MemoryByMode]]:
     """How much a fresh process grows loading layers [10, 20) in each weight mode, by mode;
     measured once a run, in one process that forks a child a mode after its imports (a
-    process a mode spent 5 s apiece, most of it importing torch and transformers)."""
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(model_dir), *MODES], check=True,
-                         capture_output=True, text=True, timeout=120).stdout
-    measured: dict[str, dict[str, int]] = json.loads(out.strip().splitlines()[-1])
-    return measured
+    process a mode spent 5 s apiece, most of it importing torch and transformers).
+
+    Started with the module's first test, on a core of its own: the 7 s it takes (most of
+    them importing torch) run beside the module's other tests, on one torch thread in
+    this process, instead of after them. What a process holds is its own either way."""
+    proc = subprocess.Popen([sys.executable, "-c", _MEASURE, str(smollm2_dir), *MODES],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    @functools.cache
+    def measured() -> MemoryByMode:
+        out, err = proc.communicate(timeout=MEASURE_S)
+        assert proc.returncode == 0, f"measuring failed: {err}"
+        by_mode: MemoryByMode = json.loads(out.strip().splitlines()[-1])
+        return by_mode
+
+    try:
+        yield measured
+    finally:
+        proc.kill()
+        proc.communicate()
 
 
 @pytest.mark.slow
-def test_middle_stage_process_memory_grows_by_its_layers_only(smollm2_dir: Path) -> None:
-    measured = _middle_stage_memory(smollm2_dir)["fp32"]
+def test_middle_stage_process_memory_grows_by_its_layers_only(
+        smollm2_dir: Path, middle_stage_memory: Callable[[], MemoryByMode]) -> None:
+    measured = middle_stage_memory()["fp32"]
     full_model = _checkpoint_bytes(smollm2_dir, ("",))
     # 10 of 30 layers are ~26 % of SmolLM2's bytes (the embedding is the rest).
     assert measured["grown"] < measured["params"] * 1.1 + 32 * 2**20
@@ -153,8 +175,9 @@ def test_middle_stage_process_memory_grows_by_its_layers_only(smollm2_dir: Path)
 
 
 @pytest.mark.slow
-def test_int8_stage_resident_memory_is_at_most_035_of_fp32(smollm2_dir: Path) -> None:
-    fp32, int8, bf16 = (_middle_stage_memory(smollm2_dir)[mode] for mode in MODES)
+def test_int8_stage_resident_memory_is_at_most_035_of_fp32(
+        middle_stage_memory: Callable[[], MemoryByMode]) -> None:
+    fp32, int8, bf16 = (middle_stage_memory()[mode] for mode in MODES)
     # int8 codes are a quarter of fp32, plus one bf16 scale per 576-wide row and fp32 norms.
     assert int8["params"] < 0.26 * fp32["params"]
     assert int8["grown"] <= 0.35 * fp32["grown"], (int8, fp32)
