@@ -21,7 +21,8 @@ PROMPT = b"def parse_alarm_log(path):"
 
 
 @pytest.mark.parametrize(("family", "file_type"), [
-    ("llama", "Q4_0"), ("llama", "Q4_1"), ("deepseek2", "Q4_K"), ("qwen3moe", "Q8_0")])
+    ("llama", "Q4_0"), ("llama", "Q4_1"), ("llama", "Q5_K"), ("llama", "Q6_K"),
+    ("deepseek2", "Q4_K"), ("qwen3moe", "Q8_0")])
 def test_each_family_loads_in_llama_cpp_and_decodes_finite_logits(
         family: str, file_type: str, tmp_path: Path) -> None:
     path = tiny_random_gguf(family, file_type, tmp_path / "model.gguf")

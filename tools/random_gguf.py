@@ -67,12 +67,14 @@ class Block:
 # 4-bit q - 8 has 4.6 (sqrt(255/12)); 8-bit q 73.9; 6-bit q - 32 18.5; 5-bit q - 16 9.2.
 # Q6_K: d x (int8 sub-scale, 73.9 rms) x (q - 32).
 # Q4_K: d x (6-bit sub-scale, 36.4 rms) x (q, 8.8 rms) less dmin x (6-bit min), both fp16.
+# Q5_K: the same with a 5-bit q (18.0 rms).
 BLOCKS: dict[Q, Block] = {
     Q.Q4_0: Block(32, 18, (0,), 1 / 4.6),
     Q.Q4_1: Block(32, 20, (0,), 1 / 4.6),  # d; the min (offset 2) is set to -8 d below
     Q.Q5_0: Block(32, 22, (0,), 1 / 9.2),
     Q.Q8_0: Block(32, 34, (0,), 1 / 73.9),
     Q.Q4_K: Block(256, 144, (0, 2), 1 / (36.4 * 8.8)),
+    Q.Q5_K: Block(256, 176, (0, 2), 1 / (36.4 * 18.0)),
     Q.Q6_K: Block(256, 210, (208,), 1 / (18.5 * 73.9)),
 }
 # The types a whole file is asked in (--type): the rest only appear as llama-quantize's picks.
@@ -81,6 +83,8 @@ FILE_TYPES: dict[str, tuple[Q, gguf.LlamaFileType]] = {
     "Q4_1": (Q.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
     "Q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "Q4_K": (Q.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_S),
+    "Q5_K": (Q.Q5_K, gguf.LlamaFileType.MOSTLY_Q5_K_S),
+    "Q6_K": (Q.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
 }
 # llama-quantize's type for a matrix whose rows do not split into blocks of the asked type
 # (llama-quant.cpp: "fallback"), e.g. DeepSeek-V2-Lite's 1408-wide expert rows under Q4_K.
