@@ -11,9 +11,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Literal
 
 from edgebus.core import sd_notify
-from edgebus.core.client import BusClient, Presence
+from edgebus.core.client import BusClient
 from edgebus.core.errors import EdgebusError
 from edgebus.core.messages import Plan, PlanStage
+from edgebus.core.presence import Presence
 from edgebus.core.topics import Topics
 from node_agent.cancel import cancel_all
 from node_agent.status_payload import StatusPayload

@@ -35,7 +35,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import aiomqtt
 import paho.mqtt.client as paho
@@ -46,6 +46,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from edgebus.core import tls
 from edgebus.core.endpoint import BrokerEndpoint
 from edgebus.core.errors import BusError
+from edgebus.core.presence import Presence
 
 log = logging.getLogger(__name__)
 
@@ -101,34 +102,6 @@ _FATAL_CONNACK = {1: "unacceptable protocol version", 2: "client id rejected",
                   0x86: "bad user name or password", 0x87: "not authorised"}
 
 MessageHandler = Callable[[aiomqtt.Message], None]
-
-
-@dataclass
-class Presence:
-    """Retained status topic with the payloads for birth and death.
-
-    `payload(state, bdseq)` builds either. `bdseq` numbers the MQTT sessions
-    (Sparkplug's birth/death sequence): a Will is fixed at connect time, so
-    BusClient starts a new number before each connect, and that connection's
-    Will and births carry it. A consumer can then tell the late Will of an old
-    connection from the death of the current one.
-    """
-
-    topic: str
-    payload: Callable[[Literal["online", "offline"], int], bytes]
-    bdseq: int = 0
-
-    def next_session(self) -> None:
-        # The first number is the wall clock in ms, so numbers keep rising
-        # across process restarts too: a restarted agent must not reuse a
-        # number that its predecessor's Will may still carry.
-        self.bdseq = self.bdseq + 1 if self.bdseq else time.time_ns() // 1_000_000
-
-    def online(self) -> bytes:
-        return self.payload("online", self.bdseq)
-
-    def offline(self) -> bytes:
-        return self.payload("offline", self.bdseq)
 
 
 @dataclass
