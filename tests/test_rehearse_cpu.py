@@ -66,3 +66,25 @@ def test_a_box_gets_its_cpu_quota_on_a_busy_host() -> None:
     finally:
         tree.remove()
     assert share >= LEAST_SHARE_OF_QUOTA * QUOTA_CORES, f"the box got {share:.2f} of a core"
+
+
+@optional.needs(cgroups.missing(), "a rehearsal's control groups")
+@optional.HOST_NETWORK
+def test_a_box_without_its_quota_has_no_priority_over_the_host() -> None:
+    """Lifted (teardown, the fault tests), a box is uncapped: neither it nor the boxes'
+    parent may keep the weight that puts them before the host's other processes."""
+    tree = cgroups.open_tree(f"test-{secrets.token_hex(3)}")
+    try:
+        group = tree.create("box", QUOTA_CORES, MEMORY_BYTES)
+        group.set_cpu(None)
+        if isinstance(group, cgroups._V2Group):
+            weights = [int((path / "cpu.weight").read_text())
+                       for path in (group.path, group.path.parent)]
+            assert weights == [cgroups.V2_DEFAULT_WEIGHT] * 2
+        else:
+            assert isinstance(group, cgroups._V1Group)
+            shares = [int((path / "cpu.shares").read_text())
+                      for path in (group.cpu, group.cpu.parent)]
+            assert shares == [cgroups.V1_DEFAULT_SHARES] * 2
+    finally:
+        tree.remove()

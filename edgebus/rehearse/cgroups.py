@@ -31,9 +31,10 @@ MIN_QUOTA_US = 1_000
 # host busy with other work, the scheduler runs a box's processes before the others' until
 # the quota is spent, so each box keeps the speed the rehearsal gave it (on the 2-core
 # Intel Xeon VM at a load of 12, boxes without it got well under their quotas). The
-# quotas cap what this takes from the rest of the host. A box without a quota keeps the
-# default weight: it must not starve the host. cgroup v1's cpu.shares and v2's cpu.weight,
-# each its kernel's highest and default.
+# quotas cap what this takes from the rest of the host. A box whose quota is lifted goes
+# back to the default weight, and so does the boxes' parent, which competes with the host's
+# other processes as one: uncapped, they must not starve the host. cgroup v1's cpu.shares
+# and v2's cpu.weight, each its kernel's highest and default.
 V1_TOP_SHARES, V1_DEFAULT_SHARES = 262_144, 1_024
 V2_TOP_WEIGHT, V2_DEFAULT_WEIGHT = 10_000, 100
 # Prefix of every group edgebus creates, so a leftover is recognisable.
@@ -183,7 +184,8 @@ class _V1Group(BoxGroup):
         quota = -1 if cpu_cores is None else _quota_us(cpu_cores)
         (self.cpu / "cpu.cfs_quota_us").write_text(str(quota))
         shares = V1_DEFAULT_SHARES if cpu_cores is None else V1_TOP_SHARES
-        (self.cpu / "cpu.shares").write_text(str(shares))
+        for group in [self.cpu] + ([self.cpu.parent] if cpu_cores is None else []):
+            (group / "cpu.shares").write_text(str(shares))
 
     def set_disk(self, devices: list[str], read_bps: int, write_bps: int) -> None:
         if self.blkio is None:
@@ -273,7 +275,8 @@ class _V2Group(BoxGroup):
         quota = "max" if cpu_cores is None else str(_quota_us(cpu_cores))
         (self.path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
         weight = V2_DEFAULT_WEIGHT if cpu_cores is None else V2_TOP_WEIGHT
-        (self.path / "cpu.weight").write_text(str(weight))
+        for group in [self.path] + ([self.path.parent] if cpu_cores is None else []):
+            (group / "cpu.weight").write_text(str(weight))
 
     def set_disk(self, devices: list[str], read_bps: int, write_bps: int) -> None:
         io_max = self.path / "io.max"
